@@ -1,0 +1,39 @@
+// The backend interface: each backend implements these entry points for inputs that
+// src/core has already validated. Backends never see unchecked user input.
+#pragma once
+
+#include "msa/ops.h"
+
+namespace msa {
+
+namespace cpu {
+void select_blocks(const Topology&, const PackedLayout&, const SelectBlocksParams&, const RunOptions&);
+// Fills every plan buffer (already allocated on the CPU with the sizes in `plan`).
+void build_plan(const Topology&, const PackedLayout&, const TensorView& topk, SparsePlan& plan);
+void sparse_attention_forward(const Topology&, const PackedLayout&, const SparsePlan&,
+                              const AttentionForwardParams&, const RunOptions&);
+void sparse_attention_backward(const Topology&, const PackedLayout&, const SparsePlan&,
+                               const AttentionBackwardParams&, const RunOptions&);
+void kl_backward(const Topology&, const PackedLayout&, const SparsePlan&, const KlBackwardParams&,
+                 const RunOptions&);
+void merge_states(const MergeStatesParams&, const RunOptions&);
+}  // namespace cpu
+
+#if MSA_WITH_CUDA
+namespace cuda {
+void* allocate(int64_t bytes, int device);
+void release(void* ptr, int device);
+void select_blocks(const Topology&, const PackedLayout&, const SelectBlocksParams&, const RunOptions&);
+void build_plan(const Topology&, const PackedLayout&, const TensorView& topk, SparsePlan& plan,
+                const RunOptions&);
+void sparse_attention_forward(const Topology&, const PackedLayout&, const SparsePlan&,
+                              const AttentionForwardParams&, const RunOptions&);
+void sparse_attention_backward(const Topology&, const PackedLayout&, const SparsePlan&,
+                               const AttentionBackwardParams&, const RunOptions&);
+void kl_backward(const Topology&, const PackedLayout&, const SparsePlan&, const KlBackwardParams&,
+                 const RunOptions&);
+void merge_states(const MergeStatesParams&, const RunOptions&);
+}  // namespace cuda
+#endif
+
+}  // namespace msa

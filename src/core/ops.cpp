@@ -1,0 +1,234 @@
+// Validation and dispatch of the training-path operations. This is the only layer that
+// reads user arguments; backends receive checked inputs.
+#include "msa/ops.h"
+
+#include <cmath>
+
+#include "backend.h"
+#include "core/check.h"
+
+namespace msa {
+
+using detail::check_tensor;
+using detail::concat;
+using detail::Dim;
+using detail::fail;
+using detail::require;
+
+namespace {
+
+constexpr auto kBf16 = {DType::bf16};
+constexpr auto kFloatOut = {DType::bf16, DType::f32};
+
+bool on_cuda(const TensorView& t) { return t.device.is_cuda(); }
+
+[[noreturn]] void no_cuda(const char* op) {
+  detail::unsupported(concat(op, ": the inputs are CUDA tensors but msa was built without the CUDA backend "
+                                 "(configure with -DMSA_ENABLE_CUDA=ON on a machine with nvcc)"));
+}
+
+// Checks a top-k tensor's shape and, on the CPU, its contents against the layout: valid ids
+// form a prefix, are unique and lie in [0, local block of the query].
+void check_topk(const Topology& topo, const PackedLayout& L, const TensorView& topk, const char* name, Device dev) {
+  const int H = topo.num_index_heads, K = topo.topk;
+  check_tensor(topk, name, {DType::i32}, {Dim(H, "Hi"), Dim(L.total_q(), "total_q"), Dim(K, "16")}, dev);
+  if (on_cuda(topk)) return;  // contents are checked by the device plan builder
+  const auto* ids = topk.as<const int32_t>();
+  std::vector<uint64_t> seen;
+  for (int b = 0; b < L.num_documents(); ++b) {
+    const DocumentSpan& d = L.document(b);
+    for (int64_t i = 0; i < d.q_len; ++i) {
+      const int64_t row = d.q_start + i;
+      const int64_t local = (d.k_len - d.q_len + i) / topo.block_size;
+      for (int h = 0; h < H; ++h) {
+        const int32_t* r = ids + (int64_t(h) * L.total_q() + row) * K;
+        bool ended = false;
+        for (int s = 0; s < K; ++s) {
+          if (r[s] < 0) {
+            require(r[s] == -1, concat(name, "[", h, ", ", row, ", ", s, "] must be a block id or -1, got ", r[s]));
+            ended = true;
+            continue;
+          }
+          require(!ended, concat(name, "[", h, ", ", row, ", :]: valid block ids must form a prefix followed by -1, got id ",
+                                 r[s], " in slot ", s, " after a -1"));
+          require(r[s] <= local, concat(name, "[", h, ", ", row, ", ", s, "] = ", r[s], " is not a visible block: query ", i,
+                                        " of document ", b, " sees blocks 0..", local, " (history ids must precede the local block)"));
+          for (int t = 0; t < s; ++t)
+            require(r[t] != r[s], concat(name, "[", h, ", ", row, ", :] holds block ", r[s], " twice (slots ", t, " and ", s, ")"));
+        }
+      }
+    }
+  }
+}
+
+void check_plan(const SparsePlan& plan, const PackedLayout& L, const Topology& topo, Device dev) {
+  require(plan.total_q == L.total_q() && plan.total_rows == L.total_rows(topo.block_size) &&
+              plan.num_kv_heads == topo.num_kv_heads,
+          concat("plan does not match this micro-batch (plan: total_q ", plan.total_q, ", rows ", plan.total_rows,
+                 "; layout: total_q ", L.total_q(), ", rows ", L.total_rows(topo.block_size), "); rebuild it with build_plan"));
+  require(plan.device == dev, concat("plan lives on ", to_string(plan.device), " but the inputs are on ", to_string(dev)));
+}
+
+}  // namespace
+
+void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBlocksParams& p, const RunOptions& opt) {
+  topo.validate();
+  detail::check_present(p.index_q, "index_q");
+  const Device dev = p.index_q.device;
+  const int Hi = topo.num_index_heads, Di = topo.index_head_dim;
+  check_tensor(p.index_q, "index_q", kBf16, {Dim(L.total_q(), "total_q"), Dim(Hi, "Hi"), Dim(Di)}, dev);
+  check_tensor(p.index_k, "index_k", kBf16, {Dim(L.total_k(), "total_k"), Dim(1), Dim(Di)}, dev);
+  check_tensor(p.topk, "topk", {DType::i32}, {Dim(Hi, "Hi"), Dim(L.total_q(), "total_q"), Dim(topo.topk, "16")}, dev);
+  if (p.selected_lse.present())
+    check_tensor(p.selected_lse, "selected_lse", {DType::f32}, {Dim(Hi, "Hi"), Dim(L.total_q(), "total_q")}, dev);
+  require(std::isfinite(p.lse_temperature) && p.lse_temperature > 0,
+          concat("lse_temperature must be finite and > 0, got ", p.lse_temperature));
+  if (on_cuda(p.index_q)) {
+#if MSA_WITH_CUDA
+    return cuda::select_blocks(topo, L, p, opt);
+#else
+    no_cuda("select_blocks");
+#endif
+  }
+  cpu::select_blocks(topo, L, p, opt);
+}
+
+SparsePlan build_plan(const Topology& topo, const PackedLayout& L, const TensorView& topk, const PlanOptions& options,
+                      const RunOptions& opt) {
+  topo.validate();
+  detail::check_present(topk, "topk");
+  require(options.q_per_cta >= 1, concat("plan q_per_cta must be >= 1, got ", options.q_per_cta));
+  check_topk(topo, L, topk, "topk", topk.device);
+  const int Hkv = topo.num_kv_heads;
+  const int64_t rows = L.total_rows(topo.block_size), edges = L.total_q() * topo.topk;
+  SparsePlan plan;
+  plan.device = topk.device;
+  plan.total_q = L.total_q();
+  plan.total_rows = rows;
+  plan.num_kv_heads = Hkv;
+  plan.topk = topo.topk;
+  plan.q_per_cta = options.q_per_cta;
+  const int64_t capacity = Hkv * (rows + (edges + options.q_per_cta - 1) / options.q_per_cta);
+  plan.rows = Buffer(plan.device, DType::i32, {rows, 2});
+  plan.row_ptr = Buffer(plan.device, DType::i32, {Hkv, rows + 1});
+  plan.q_indices = Buffer(plan.device, DType::i32, {Hkv, edges});
+  plan.split_slot = Buffer(plan.device, DType::i32, {Hkv, edges});
+  plan.split_counts = Buffer(plan.device, DType::i32, {L.total_q(), Hkv});
+  plan.schedule = Buffer(plan.device, DType::i32, {capacity, 6});
+  plan.work_count_dev = Buffer(plan.device, DType::i32, {1});
+  if (on_cuda(topk)) {
+#if MSA_WITH_CUDA
+    cuda::build_plan(topo, L, topk, plan, opt);
+    return plan;
+#else
+    no_cuda("build_plan");
+#endif
+  }
+  (void)opt;
+  cpu::build_plan(topo, L, topk, plan);
+  return plan;
+}
+
+void sparse_attention_forward(const Topology& topo, const PackedLayout& L, const SparsePlan& plan,
+                              const AttentionForwardParams& p, const RunOptions& opt) {
+  topo.validate();
+  detail::check_present(p.q, "q");
+  const Device dev = p.q.device;
+  const int Hq = topo.num_q_heads, Hkv = topo.num_kv_heads, D = topo.head_dim;
+  check_tensor(p.q, "q", kBf16, {Dim(L.total_q(), "total_q"), Dim(Hq, "Hq"), Dim(D)}, dev);
+  check_tensor(p.k, "k", kBf16, {Dim(L.total_k(), "total_k"), Dim(Hkv, "Hkv"), Dim(D)}, dev);
+  check_tensor(p.v, "v", kBf16, {Dim(L.total_k(), "total_k"), Dim(Hkv, "Hkv"), Dim(D)}, dev);
+  check_tensor(p.topk, "topk", {DType::i32}, {Dim(Hkv, "Hkv"), Dim(L.total_q(), "total_q"), Dim(topo.topk, "16")}, dev);
+  check_tensor(p.out, "out", kFloatOut, {Dim(L.total_q(), "total_q"), Dim(Hq, "Hq"), Dim(D)}, dev);
+  check_tensor(p.lse, "lse", {DType::f32}, {Dim(L.total_q(), "total_q"), Dim(Hq, "Hq")}, dev);
+  check_plan(plan, L, topo, dev);
+  if (on_cuda(p.q)) {
+#if MSA_WITH_CUDA
+    return cuda::sparse_attention_forward(topo, L, plan, p, opt);
+#else
+    no_cuda("sparse_attention_forward");
+#endif
+  }
+  cpu::sparse_attention_forward(topo, L, plan, p, opt);
+}
+
+void sparse_attention_backward(const Topology& topo, const PackedLayout& L, const SparsePlan& plan,
+                               const AttentionBackwardParams& p, const RunOptions& opt) {
+  topo.validate();
+  detail::check_present(p.q, "q");
+  const Device dev = p.q.device;
+  const int Hq = topo.num_q_heads, Hkv = topo.num_kv_heads, D = topo.head_dim;
+  const Dim Tq(L.total_q(), "total_q"), Tk(L.total_k(), "total_k");
+  check_tensor(p.q, "q", kBf16, {Tq, Dim(Hq, "Hq"), Dim(D)}, dev);
+  check_tensor(p.k, "k", kBf16, {Tk, Dim(Hkv, "Hkv"), Dim(D)}, dev);
+  check_tensor(p.v, "v", kBf16, {Tk, Dim(Hkv, "Hkv"), Dim(D)}, dev);
+  check_tensor(p.topk, "topk", {DType::i32}, {Dim(Hkv, "Hkv"), Tq, Dim(topo.topk, "16")}, dev);
+  check_tensor(p.out, "out", kFloatOut, {Tq, Dim(Hq, "Hq"), Dim(D)}, dev);
+  check_tensor(p.lse, "lse", {DType::f32}, {Tq, Dim(Hq, "Hq")}, dev);
+  check_tensor(p.dout, "dout", kFloatOut, {Tq, Dim(Hq, "Hq"), Dim(D)}, dev);
+  check_tensor(p.dq, "dq", kFloatOut, {Tq, Dim(Hq, "Hq"), Dim(D)}, dev);
+  check_tensor(p.dk, "dk", kFloatOut, {Tk, Dim(Hkv, "Hkv"), Dim(D)}, dev);
+  check_tensor(p.dv, "dv", kFloatOut, {Tk, Dim(Hkv, "Hkv"), Dim(D)}, dev);
+  check_plan(plan, L, topo, dev);
+  if (on_cuda(p.q)) {
+#if MSA_WITH_CUDA
+    return cuda::sparse_attention_backward(topo, L, plan, p, opt);
+#else
+    no_cuda("sparse_attention_backward");
+#endif
+  }
+  cpu::sparse_attention_backward(topo, L, plan, p, opt);
+}
+
+void kl_backward(const Topology& topo, const PackedLayout& L, const SparsePlan& plan, const KlBackwardParams& p,
+                 const RunOptions& opt) {
+  topo.validate();
+  detail::check_present(p.q, "q");
+  const Device dev = p.q.device;
+  const int Hq = topo.num_q_heads, Hkv = topo.num_kv_heads, Hi = topo.num_index_heads, D = topo.head_dim,
+            Di = topo.index_head_dim;
+  const Dim Tq(L.total_q(), "total_q"), Tk(L.total_k(), "total_k");
+  check_tensor(p.q, "q", kBf16, {Tq, Dim(Hq, "Hq"), Dim(D)}, dev);
+  check_tensor(p.k, "k", kBf16, {Tk, Dim(Hkv, "Hkv"), Dim(D)}, dev);
+  check_tensor(p.lse, "lse", {DType::f32}, {Tq, Dim(Hq, "Hq")}, dev);
+  check_tensor(p.index_q, "index_q", kBf16, {Tq, Dim(Hi, "Hi"), Dim(Di)}, dev);
+  check_tensor(p.index_k, "index_k", kBf16, {Tk, Dim(1), Dim(Di)}, dev);
+  check_tensor(p.index_lse, "index_lse", {DType::f32}, {Dim(Hi, "Hi"), Tq}, dev);
+  check_tensor(p.topk, "topk", {DType::i32}, {Dim(Hi, "Hi"), Tq, Dim(topo.topk, "16")}, dev);
+  check_tensor(p.dindex_q, "dindex_q", kFloatOut, {Tq, Dim(Hi, "Hi"), Dim(Di)}, dev);
+  check_tensor(p.dindex_k, "dindex_k", kFloatOut, {Tk, Dim(1), Dim(Di)}, dev);
+  require(std::isfinite(p.grad_scale) && p.grad_scale >= 0,
+          concat("grad_scale must be finite and >= 0 (0 = 1 / (Hi * total_q)), got ", p.grad_scale));
+  check_plan(plan, L, topo, dev);
+  if (on_cuda(p.q)) {
+#if MSA_WITH_CUDA
+    return cuda::kl_backward(topo, L, plan, p, opt);
+#else
+    no_cuda("kl_backward");
+#endif
+  }
+  cpu::kl_backward(topo, L, plan, p, opt);
+}
+
+void merge_states(const MergeStatesParams& p, const RunOptions& opt) {
+  detail::check_present(p.out_partials, "out_partials");
+  const Device dev = p.out_partials.device;
+  require(p.out_partials.rank == 4, concat("out_partials must have shape [S, rows, H, D], got ", p.out_partials.shape_string()));
+  const int64_t S = p.out_partials.shape[0], R = p.out_partials.shape[1], H = p.out_partials.shape[2],
+                D = p.out_partials.shape[3];
+  require(S >= 1, "out_partials must hold at least one partial state (S >= 1), got S = 0");
+  check_tensor(p.out_partials, "out_partials", kFloatOut, {Dim(S, "S"), Dim(R, "rows"), Dim(H, "H"), Dim(D, "D")}, dev);
+  check_tensor(p.lse_partials, "lse_partials", {DType::f32}, {Dim(S, "S"), Dim(R, "rows"), Dim(H, "H")}, dev);
+  check_tensor(p.out, "out", kFloatOut, {Dim(R, "rows"), Dim(H, "H"), Dim(D, "D")}, dev);
+  check_tensor(p.lse, "lse", {DType::f32}, {Dim(R, "rows"), Dim(H, "H")}, dev);
+  if (on_cuda(p.out_partials)) {
+#if MSA_WITH_CUDA
+    return cuda::merge_states(p, opt);
+#else
+    no_cuda("merge_states");
+#endif
+  }
+  cpu::merge_states(p, opt);
+}
+
+}  // namespace msa

@@ -1,0 +1,93 @@
+#include "msa/tensor.h"
+
+#include <cstdlib>
+#include <new>
+#include <sstream>
+
+#include "backend.h"
+#include "core/check.h"
+
+namespace msa {
+
+std::string to_string(Device d) { return d.is_cuda() ? "cuda:" + std::to_string(d.index) : "cpu"; }
+
+TensorView TensorView::contiguous(void* data, DType dtype, std::initializer_list<int64_t> shape, Device device) {
+  return contiguous(data, dtype, std::vector<int64_t>(shape), device);
+}
+
+TensorView TensorView::contiguous(void* data, DType dtype, const std::vector<int64_t>& shape, Device device) {
+  std::vector<int64_t> stride(shape.size());
+  int64_t s = 1;
+  for (size_t i = shape.size(); i-- > 0;) {
+    stride[i] = s;
+    s *= shape[i];
+  }
+  return strided(data, dtype, shape, stride, device);
+}
+
+TensorView TensorView::strided(void* data, DType dtype, const std::vector<int64_t>& shape,
+                               const std::vector<int64_t>& stride, Device device) {
+  detail::require(shape.size() == stride.size(),
+                  detail::concat("tensor view: shape has ", shape.size(), " dims but stride has ", stride.size()));
+  detail::require(shape.size() <= size_t(kMaxRank),
+                  detail::concat("tensor view: rank must be at most ", kMaxRank, ", got ", shape.size()));
+  TensorView t;
+  t.data = data;
+  t.dtype = dtype;
+  t.device = device;
+  t.rank = int(shape.size());
+  for (int i = 0; i < t.rank; ++i) {
+    detail::require(shape[size_t(i)] >= 0, detail::concat("tensor view: shape[", i, "] must be >= 0, got ", shape[size_t(i)]));
+    t.shape[size_t(i)] = shape[size_t(i)];
+    t.stride[size_t(i)] = stride[size_t(i)];
+  }
+  return t;
+}
+
+int64_t TensorView::numel() const {
+  int64_t n = 1;
+  for (int i = 0; i < rank; ++i) n *= shape[size_t(i)];
+  return rank == 0 ? (data ? 1 : 0) : n;
+}
+
+bool TensorView::is_contiguous() const {
+  int64_t s = 1;
+  for (int i = rank; i-- > 0;) {
+    if (shape[size_t(i)] != 1 && stride[size_t(i)] != s) return false;
+    s *= shape[size_t(i)];
+  }
+  return true;
+}
+
+std::string TensorView::shape_string() const {
+  std::ostringstream os;
+  os << '[';
+  for (int i = 0; i < rank; ++i) os << (i ? ", " : "") << shape[size_t(i)];
+  os << ']';
+  return os.str();
+}
+
+Buffer::Buffer(Device device, DType dtype, std::vector<int64_t> shape)
+    : device_(device), dtype_(dtype), shape_(std::move(shape)) {
+  int64_t n = 1;
+  for (int64_t s : shape_) n *= s;
+  bytes_ = n * dtype_size(dtype);
+  const size_t alloc = size_t(bytes_ > 0 ? bytes_ : 1);
+  if (device.is_cuda()) {
+#if MSA_WITH_CUDA
+    const int ordinal = device.index;
+    storage_ = std::shared_ptr<void>(cuda::allocate(int64_t(alloc), ordinal),
+                                     [ordinal](void* p) { cuda::release(p, ordinal); });
+#else
+    detail::unsupported("a CUDA buffer was requested but msa was built without the CUDA backend");
+#endif
+  } else {
+    void* p = std::aligned_alloc(64, (alloc + 63) / 64 * 64);
+    if (!p) throw Error(ErrorKind::runtime, detail::concat("out of host memory allocating ", bytes_, " bytes"));
+    storage_ = std::shared_ptr<void>(p, [](void* q) { std::free(q); });
+  }
+}
+
+TensorView Buffer::view() const { return TensorView::contiguous(storage_.get(), dtype_, shape_, device_); }
+
+}  // namespace msa
