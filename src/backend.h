@@ -23,6 +23,11 @@ void merge_states(const MergeStatesParams&, const RunOptions&);
 namespace cuda {
 void* allocate(int64_t bytes, int device);
 void release(void* ptr, int device);
+// cudaMemcpyKind-style copy of `bytes` bytes; either side may be host memory.
+void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, int64_t bytes, void* stream);
+void memset_zero(void* dst, int device, int64_t bytes, void* stream);
+void synchronize(int device);
+int device_count();
 void select_blocks(const Topology&, const PackedLayout&, const SelectBlocksParams&, const RunOptions&);
 void build_plan(const Topology&, const PackedLayout&, const TensorView& topk, SparsePlan& plan,
                 const RunOptions&);

@@ -75,4 +75,12 @@ class Buffer {
   std::vector<int64_t> shape_;
 };
 
+// Copies src into dst (same dtype and shape, both contiguous) between any pair of devices.
+// With CUDA memory involved the copy is ordered on opt_stream (a cudaStream_t, may be null).
+void copy(const TensorView& src, const TensorView& dst, void* stream = nullptr);
+// Waits until all work queued on `device` has finished (no-op on the CPU).
+void synchronize(Device device);
+// Fills a tensor's bytes with zeros (contiguous tensors).
+void zero(const TensorView& t, void* stream = nullptr);
+
 }  // namespace msa

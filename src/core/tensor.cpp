@@ -1,6 +1,7 @@
 #include "msa/tensor.h"
 
 #include <cstdlib>
+#include <cstring>
 #include <new>
 #include <sstream>
 
@@ -89,5 +90,58 @@ Buffer::Buffer(Device device, DType dtype, std::vector<int64_t> shape)
 }
 
 TensorView Buffer::view() const { return TensorView::contiguous(storage_.get(), dtype_, shape_, device_); }
+
+}  // namespace msa
+
+namespace msa {
+
+void copy(const TensorView& src, const TensorView& dst, void* stream) {
+  detail::check_present(src, "src");
+  detail::check_present(dst, "dst");
+  detail::require(src.dtype == dst.dtype, detail::concat("copy: dst must have the dtype of src (", dtype_name(src.dtype),
+                                                         "), got ", dtype_name(dst.dtype)));
+  detail::require(src.shape_vector() == dst.shape_vector(),
+                  detail::concat("copy: dst must have the shape of src ", src.shape_string(), ", got ", dst.shape_string()));
+  detail::check_contiguous(src, "src");
+  detail::check_contiguous(dst, "dst");
+  const int64_t bytes = src.numel() * dtype_size(src.dtype);
+  if (bytes == 0) return;
+  if (!src.device.is_cuda() && !dst.device.is_cuda()) {
+    std::memmove(dst.data, src.data, size_t(bytes));
+    return;
+  }
+#if MSA_WITH_CUDA
+  cuda::copy_bytes(dst.data, dst.device, src.data, src.device, bytes, stream);
+#else
+  (void)stream;
+  detail::unsupported("copy: CUDA tensors given but msa was built without the CUDA backend");
+#endif
+}
+
+void synchronize(Device device) {
+  if (!device.is_cuda()) return;
+#if MSA_WITH_CUDA
+  cuda::synchronize(device.index);
+#else
+  detail::unsupported("synchronize: msa was built without the CUDA backend");
+#endif
+}
+
+void zero(const TensorView& t, void* stream) {
+  detail::check_present(t, "tensor");
+  detail::check_contiguous(t, "tensor");
+  const int64_t bytes = t.numel() * dtype_size(t.dtype);
+  if (bytes == 0) return;
+  if (!t.device.is_cuda()) {
+    std::memset(t.data, 0, size_t(bytes));
+    return;
+  }
+#if MSA_WITH_CUDA
+  cuda::memset_zero(t.data, t.device.index, bytes, stream);
+#else
+  (void)stream;
+  detail::unsupported("zero: msa was built without the CUDA backend");
+#endif
+}
 
 }  // namespace msa
