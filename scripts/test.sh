@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Set-up-and-go: install dependencies, build everything, run the C++ tests (ctest) and the
+# Python tests (pytest). GPU tests skip with a visible reason on machines without a GPU.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/install-deps.sh
+bash scripts/build.sh -DMSA_BUILD_TESTS=ON
+build_dir=${MSA_BUILD_DIR:-build}
+ctest --test-dir "$build_dir" --output-on-failure -j "$(nproc)"
+if [ -f scripts/test-python.sh ]; then bash scripts/test-python.sh; fi
