@@ -1,0 +1,23 @@
+// The parts of the msa._native module, one file each.
+#pragma once
+
+#include <nanobind/nanobind.h>
+
+#include "msa/ops.h"
+
+namespace msa::python {
+
+// msa.MsaError and its subclasses; msa::Error is translated to them.
+void bind_errors(nanobind::module_& m);
+// Topology, PackedLayout, Plan.
+void bind_types(nanobind::module_& m);
+// select_blocks, build_plan, forward/backward, kl_backward, merge_states, pack/unpack.
+void bind_ops(nanobind::module_& m);
+
+// A built plan with the topology it was built for.
+struct Plan {
+  SparsePlan plan;
+  Topology topology;
+};
+
+}  // namespace msa::python
