@@ -1,0 +1,50 @@
+// The inference backend interface: entry points each backend implements for inputs that
+// src/core/inference*.cpp has already validated, plus the small facts about a checked
+// PagedKvCache that every backend reads the same way.
+#pragma once
+
+#include "msa/inference.h"
+
+namespace msa {
+
+// How the f32 k_scale / v_scale of a (validated) cache apply.
+enum class KvScaleMode : uint8_t {
+  none,            // absent: scale 1
+  per_tensor,      // one value (rank 0 or [1]); fp8: multiplies the code, nvfp4: global scale
+  per_head_token,  // fp8 only: [Hkv, max_kv_tokens], slot = physical_page * 128 + offset
+};
+
+inline KvScaleMode kv_scale_mode(const PagedKvCache& c) {
+  if (!c.k_scale.present()) return KvScaleMode::none;
+  return c.k_scale.rank == 2 ? KvScaleMode::per_head_token : KvScaleMode::per_tensor;
+}
+
+inline constexpr int kPageSize = 128;
+inline constexpr int kHeadDim = 128;
+inline constexpr int kTopk = 16;
+inline constexpr int kNvfp4GroupSize = 16;  // elements per E4M3 block scale
+
+namespace cpu {
+void rms_norm_rope(const RmsNormRopeParams&, const RunOptions&);
+void insert_kv(const KvInsertParams&, const RunOptions&);
+void nvfp4_to_fp8(const Nvfp4ToFp8Params&, const RunOptions&);
+void paged_indexer(const InferencePlan&, const PagedIndexerParams&, const RunOptions&);
+void paged_attention(const InferencePlan&, const PagedAttentionParams&, const RunOptions&);
+// Per-thread scratch sizes (elements) the CPU runs need for a plan.
+int64_t inference_scratch_f32(const InferencePlan&);
+int64_t inference_scratch_i32(const InferencePlan&);
+}  // namespace cpu
+
+// The CUDA backend defines MSA_CUDA_INFERENCE=1 (src/cuda/CMakeLists.txt) once it implements
+// these; until then CUDA inputs are refused with an "unsupported" error.
+#if MSA_WITH_CUDA && MSA_CUDA_INFERENCE
+namespace cuda {
+void rms_norm_rope(const RmsNormRopeParams&, const RunOptions&);
+void insert_kv(const KvInsertParams&, const RunOptions&);
+void nvfp4_to_fp8(const Nvfp4ToFp8Params&, const RunOptions&);
+void paged_indexer(const InferencePlan&, const PagedIndexerParams&, const RunOptions&);
+void paged_attention(const InferencePlan&, const PagedAttentionParams&, const RunOptions&);
+}  // namespace cuda
+#endif
+
+}  // namespace msa

@@ -1,0 +1,219 @@
+// Planning of paged prefill and decode: checks one step's request metadata on the host,
+// derives the per-row facts every layer needs (causal position, request, cache slot) and
+// allocates the run's scratch memory on the plan's device.
+#include <omp.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstring>
+
+#include "backend_inference.h"
+#include "core/check.h"
+#include "msa/inference.h"
+
+namespace msa {
+
+using detail::concat;
+using detail::Dim;
+using detail::require;
+
+namespace {
+
+constexpr int64_t kMaxPages = 8192;                          // 1,048,576 tokens per request
+constexpr int64_t kMaxPhysicalPage = (int64_t(1) << 31) / 128 - 1;  // slot ids fit in int32
+
+// Copies a host int32 tensor of the given shape (any strides) into a row-major vector.
+std::vector<int32_t> host_int32(const TensorView& t, const char* name, const std::vector<Dim>& dims) {
+  detail::check_present(t, name);
+  detail::check_dtype(t, name, {DType::i32});
+  detail::check_shape(t, name, dims);
+  require(!t.device.is_cuda(),
+          concat(name, " must be a CPU tensor (plans read request metadata on the host), got ", to_string(t.device)));
+  const int64_t rows = t.rank == 2 ? t.shape[0] : 1, cols = t.shape[size_t(t.rank - 1)];
+  const int64_t row_stride = t.rank == 2 ? t.stride[0] : 0, col_stride = t.stride[size_t(t.rank - 1)];
+  std::vector<int32_t> v(size_t(rows * cols));
+  const auto* p = t.as<const int32_t>();
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t c = 0; c < cols; ++c) v[size_t(r * cols + c)] = p[r * row_stride + c * col_stride];
+  return v;
+}
+
+// Buffer on `device` holding a copy of host `values` with `shape`.
+Buffer device_copy(Device device, const std::vector<int32_t>& values, std::vector<int64_t> shape) {
+  Buffer b(device, DType::i32, shape);
+  if (values.empty()) return b;
+  const TensorView src = TensorView::contiguous(const_cast<int32_t*>(values.data()), DType::i32, shape);
+  copy(src, b.view());
+  return b;
+}
+
+// Host description of the step; turned into a plan by `finish`.
+struct StepRequests {
+  std::vector<int32_t> cu_q, seq_lens, page_table;
+  int64_t batch = 0, max_pages = 0;
+};
+
+void check_page_table(const StepRequests& s) {
+  int64_t max_k = 0, max_k_req = 0;
+  for (int64_t b = 0; b < s.batch; ++b)
+    if (s.seq_lens[size_t(b)] > max_k) max_k = s.seq_lens[size_t(b)], max_k_req = b;
+  const int64_t pages_needed = (max_k + kPageSize - 1) / kPageSize;
+  require(pages_needed <= kMaxPages,
+          concat("seq_lens[", max_k_req, "] = ", max_k, " needs ", pages_needed,
+                 " pages; the maximum page count must be in [1, ", kMaxPages, "] (contexts of at most ",
+                 kMaxPages * kPageSize, " tokens)"));
+  require(s.max_pages * kPageSize >= max_k,
+          concat("page_table capacity is smaller than max_seqlen_k: page_table has max_pages = ", s.max_pages, " (",
+                 s.max_pages * kPageSize, " tokens) but seq_lens[", max_k_req, "] = ", max_k));
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const int64_t used = (int64_t(s.seq_lens[size_t(b)]) + kPageSize - 1) / kPageSize;
+    for (int64_t j = 0; j < used; ++j) {
+      const int32_t page = s.page_table[size_t(b * s.max_pages + j)];
+      require(page >= 0 && page <= kMaxPhysicalPage,
+              concat("page_table[", b, ", ", j, "] = ", page, " maps a page inside seq_lens[", b, "] = ",
+                     s.seq_lens[size_t(b)], "; expected a physical page id in [0, ", kMaxPhysicalPage,
+                     "] (slot ids page * 128 + offset must fit in int32)"));
+    }
+  }
+}
+
+InferencePlan finish(const Topology& topo, InferencePhase phase, const StepRequests& s, int q_len_per_req,
+                     int num_kv_splits, const InferencePlanOptions& options) {
+  check_page_table(s);
+  InferencePlan plan;
+  plan.phase = phase;
+  plan.topo = topo;
+  plan.device = options.device;
+  plan.batch = s.batch;
+  plan.max_pages = s.max_pages;
+  plan.q_len_per_req = q_len_per_req;
+  plan.num_kv_splits = num_kv_splits;
+  plan.total_q = s.cu_q.back();
+
+  std::vector<int32_t> positions(size_t(plan.total_q)), request(size_t(plan.total_q)), slots(size_t(plan.total_q));
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const int64_t q0 = s.cu_q[size_t(b)], q_len = s.cu_q[size_t(b) + 1] - q0, k_len = s.seq_lens[size_t(b)];
+    plan.max_seqlen_q = std::max(plan.max_seqlen_q, q_len);
+    plan.max_seqlen_k = std::max(plan.max_seqlen_k, k_len);
+    for (int64_t i = 0; i < q_len; ++i) {
+      const int64_t pos = k_len - q_len + i;
+      positions[size_t(q0 + i)] = int32_t(pos);
+      request[size_t(q0 + i)] = int32_t(b);
+      slots[size_t(q0 + i)] =
+          pos < 0 ? -1 : int32_t(s.page_table[size_t(b * s.max_pages + pos / kPageSize)] * kPageSize + pos % kPageSize);
+    }
+    for (int64_t j = 0; j < (k_len + kPageSize - 1) / kPageSize; ++j)
+      plan.max_physical_page = std::max<int64_t>(plan.max_physical_page, s.page_table[size_t(b * s.max_pages + j)]);
+  }
+
+  if (options.device.is_cuda()) {
+#if !MSA_WITH_CUDA
+    detail::unsupported("inference plan: options.device is a CUDA device but msa was built without the CUDA backend "
+                        "(configure with -DMSA_ENABLE_CUDA=ON on a machine with nvcc)");
+#endif
+  }
+  const Device dev = options.device;
+  plan.cu_seqlens_q = device_copy(dev, s.cu_q, {s.batch + 1});
+  plan.seq_lens = device_copy(dev, s.seq_lens, {s.batch});
+  plan.page_table = device_copy(dev, s.page_table, {s.batch, s.max_pages});
+  plan.positions = device_copy(dev, positions, {plan.total_q});
+  plan.query_request = device_copy(dev, request, {plan.total_q});
+  plan.slot_mapping = device_copy(dev, slots, {plan.total_q});
+  if (phase == InferencePhase::decode) {
+    plan.partial_out = Buffer(dev, DType::f32, {num_kv_splits, plan.total_q, topo.num_q_heads, kHeadDim});
+    plan.partial_lse = Buffer(dev, DType::f32, {num_kv_splits, plan.total_q, topo.num_q_heads});
+  }
+  if (!dev.is_cuda()) {
+    plan.num_threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
+    plan.scratch_f32 = Buffer(dev, DType::f32, {plan.num_threads, cpu::inference_scratch_f32(plan)});
+    plan.scratch_i32 = Buffer(dev, DType::i32, {plan.num_threads, cpu::inference_scratch_i32(plan)});
+  }
+  return plan;
+}
+
+void check_options(const InferencePlanOptions& o) {
+  require(o.num_threads >= 0, concat("num_threads must be >= 0 (0 = OpenMP's default), got ", o.num_threads));
+}
+
+}  // namespace
+
+InferencePlan plan_paged_prefill(const Topology& topo, const PagedPrefillMetadata& meta,
+                                 const InferencePlanOptions& options) {
+  topo.validate();
+  check_options(options);
+  require(options.num_kv_splits == 0 || options.num_kv_splits == 1,
+          concat("num_kv_splits applies to decode only; paged prefill needs 0 or 1, got ", options.num_kv_splits));
+  detail::check_present(meta.seq_lens, "seq_lens");
+  require(meta.seq_lens.rank == 1, concat("seq_lens must have shape [batch], got ", meta.seq_lens.shape_string()));
+  StepRequests s;
+  s.batch = meta.seq_lens.shape[0];
+  require(s.batch >= 1, "paged prefill requires batch >= 1 (seq_lens of shape [batch]), got batch = 0");
+  s.seq_lens = host_int32(meta.seq_lens, "seq_lens", {Dim(s.batch, "batch")});
+  s.cu_q = host_int32(meta.cu_seqlens_q, "cu_seqlens_q", {Dim(s.batch + 1, "batch + 1")});
+  detail::check_present(meta.page_table, "page_table");
+  require(meta.page_table.rank == 2 && meta.page_table.shape[0] == s.batch && meta.page_table.shape[1] >= 1,
+          concat("page_table must have shape [batch, max_pages] = [", s.batch, ", >= 1], got ",
+                 meta.page_table.shape_string()));
+  s.max_pages = meta.page_table.shape[1];
+  s.page_table = host_int32(meta.page_table, "page_table", {Dim(s.batch, "batch"), Dim(s.max_pages, "max_pages")});
+  require(s.cu_q[0] == 0, concat("cu_seqlens_q[0] must be 0, got ", s.cu_q[0]));
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const int64_t q_len = int64_t(s.cu_q[size_t(b) + 1]) - s.cu_q[size_t(b)];
+    require(q_len >= 0, concat("cu_seqlens_q must be non-decreasing, got cu_seqlens_q[", b, "] = ", s.cu_q[size_t(b)],
+                               " > cu_seqlens_q[", b + 1, "] = ", s.cu_q[size_t(b) + 1]));
+    require(s.seq_lens[size_t(b)] >= q_len,
+            concat("query position is outside its KV sequence: request ", b, " has ", q_len,
+                   " queries (cu_seqlens_q) but seq_lens[", b, "] = ", s.seq_lens[size_t(b)],
+                   "; seq_lens must include the chunk (seq_lens[b] >= q_len_b)"));
+  }
+  return finish(topo, InferencePhase::prefill, s, 0, 1, options);
+}
+
+InferencePlan plan_decode(const Topology& topo, const DecodeMetadata& meta, const InferencePlanOptions& options) {
+  topo.validate();
+  check_options(options);
+  const int Q = meta.q_len_per_req;
+  require(Q >= 1 && Q <= kTopk, concat("query_length (q_len_per_req) must be an integer in [1, 16], got ", Q));
+  const int splits = options.num_kv_splits;
+  require(splits == 0 || splits == 1 || splits == 2 || splits == 4 || splits == 8 || splits == 16,
+          concat("num_kv_splits must be 0 (automatic), 1, 2, 4, 8 or 16, got ", splits));
+  detail::check_present(meta.seq_lens, "seq_lens");
+  require(meta.seq_lens.rank == 1, concat("seq_lens must have shape [batch], got ", meta.seq_lens.shape_string()));
+  StepRequests s;
+  s.batch = meta.seq_lens.shape[0];
+  require(s.batch >= 1, "decode requires batch >= 1 (seq_lens of shape [batch]), got batch = 0");
+  s.seq_lens = host_int32(meta.seq_lens, "seq_lens", {Dim(s.batch, "batch")});
+  detail::check_present(meta.page_table, "page_table");
+  require(meta.page_table.rank == 2 && meta.page_table.shape[0] == s.batch && meta.page_table.shape[1] >= 1,
+          concat("page_table must have shape [batch, max_pages] = [", s.batch, ", >= 1], got ",
+                 meta.page_table.shape_string()));
+  s.max_pages = meta.page_table.shape[1];
+  s.page_table = host_int32(meta.page_table, "page_table", {Dim(s.batch, "batch"), Dim(s.max_pages, "max_pages")});
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const int32_t k_len = s.seq_lens[size_t(b)];
+    require(k_len == 0 || k_len >= Q,
+            concat("seq_lens[", b, "] = ", k_len, " must be 0 (a padding row) or >= q_len_per_req = ", Q,
+                   " (the step's queries are part of the KV sequence)"));
+  }
+  require(s.batch * Q <= INT32_MAX, concat("batch * q_len_per_req must fit in int32, got ", s.batch * Q));
+  s.cu_q.resize(size_t(s.batch) + 1);
+  for (int64_t b = 0; b <= s.batch; ++b) s.cu_q[size_t(b)] = int32_t(b * Q);
+  // Automatic split count: enough (query, KV head) work items to fill a GPU, at most 16.
+  int chosen = splits;
+  if (chosen == 0) {
+    const int64_t items = s.batch * Q * topo.num_kv_heads;
+    const int64_t want = std::clamp<int64_t>(256 / std::max<int64_t>(items, 1), 1, kTopk);
+    chosen = 1;
+    while (chosen * 2 <= want) chosen *= 2;
+  }
+  return finish(topo, InferencePhase::decode, s, Q, chosen, options);
+}
+
+std::vector<int32_t> document_positions(const PackedLayout& layout) {
+  std::vector<int32_t> pos(size_t(layout.total_q()));
+  for (const DocumentSpan& d : layout.documents())
+    for (int64_t i = 0; i < d.q_len; ++i) pos[size_t(d.q_start + i)] = int32_t(d.k_len - d.q_len + i);
+  return pos;
+}
+
+}  // namespace msa

@@ -1,0 +1,148 @@
+// Sparse attention over paged K/V caches for paged prefill and decode. One work item is
+// (query row, KV group): the 16 query heads of the group share the dequantised pages.
+// Decode splits the 16 top-k slots into plan.num_kv_splits groups, writes one normalised
+// partial state per group and merges them by LSE (merge_states).
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "backend.h"
+#include "cpu/inference/common.h"
+
+namespace msa::cpu {
+
+namespace {
+
+using namespace inference;
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// Online-softmax state of the heads of one group over a set of pages.
+struct GroupState {
+  float* m;    // [G] running max of the logits
+  float* l;    // [G] running sum of exp(logit - m)
+  float* acc;  // [G, 128] running sum of exp(logit - m) * v
+  int heads;
+
+  void reset() {
+    std::fill(m, m + heads, kNegInf);
+    std::fill(l, l + heads, 0.0f);
+    std::fill(acc, acc + int64_t(heads) * kHeadDim, 0.0f);
+  }
+
+  // Adds n keys (rows of k, v) to every head. z: [n] scratch.
+  void add(const float* q, const float* k, const float* v, int n, float scale, float* z) {
+    for (int h = 0; h < heads; ++h) {
+      const float* qh = q + int64_t(h) * kHeadDim;
+      float block_max = kNegInf;
+      for (int t = 0; t < n; ++t) {
+        z[t] = dot128(qh, k + int64_t(t) * kHeadDim) * scale;
+        block_max = std::max(block_max, z[t]);
+      }
+      const float new_m = std::max(m[h], block_max);
+      if (new_m == kNegInf) continue;
+      const float alpha = std::exp(m[h] - new_m);  // 0 while the state is empty
+      float* a = acc + int64_t(h) * kHeadDim;
+      for (int d = 0; d < kHeadDim; ++d) a[d] *= alpha;
+      float sum = l[h] * alpha;
+      for (int t = 0; t < n; ++t) {
+        const float w = std::exp(z[t] - new_m);
+        sum += w;
+        const float* vt = v + int64_t(t) * kHeadDim;
+        for (int d = 0; d < kHeadDim; ++d) a[d] += w * vt[d];
+      }
+      l[h] = sum;
+      m[h] = new_m;
+    }
+  }
+
+  // Normalised output and natural-log LSE of head h; empty states give 0 and -inf.
+  void finish(int h, float* out, float* lse) const {
+    const float* a = acc + int64_t(h) * kHeadDim;
+    if (l[h] > 0) {
+      const float inv = 1.0f / l[h];
+      for (int d = 0; d < kHeadDim; ++d) out[d] = a[d] * inv;
+      *lse = m[h] + std::log(l[h]);
+    } else {
+      std::fill(out, out + kHeadDim, 0.0f);
+      *lse = kNegInf;
+    }
+  }
+};
+
+}  // namespace
+
+void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, const RunOptions& opt) {
+  const Topology& topo = plan.topo;
+  const int Hq = topo.num_q_heads, Hkv = topo.num_kv_heads, G = topo.group_size();
+  const int64_t T = plan.total_q, max_pages = plan.max_pages;
+  const int splits = plan.phase == InferencePhase::decode ? plan.num_kv_splits : 1;
+  const float scale = topo.attention_scale();
+  const auto* request = static_cast<const int32_t*>(plan.query_request.data());
+  const auto* positions = static_cast<const int32_t*>(plan.positions.data());
+  const auto* page_table = static_cast<const int32_t*>(plan.page_table.data());
+  const int32_t* topk = p.topk.as<const int32_t>();
+  const KvRowReader k_reader(p.kv, false), v_reader(p.kv, true);
+  const int64_t f32_stride = plan.scratch_f32.view().shape[1];
+  float* partial_out = splits > 1 ? static_cast<float*>(plan.partial_out.data()) : nullptr;
+  float* partial_lse = splits > 1 ? static_cast<float*>(plan.partial_lse.data()) : nullptr;
+  float* lse_out = p.lse.as<float>();
+  const int threads = std::min(thread_count(opt), plan.num_threads);
+
+#pragma omp parallel num_threads(threads)
+  {
+    float* q = static_cast<float*>(plan.scratch_f32.data()) + omp_get_thread_num() * f32_stride;  // [G, 128]
+    float* k = q + int64_t(G) * kHeadDim;              // [128, 128]
+    float* v = k + int64_t(kPageSize) * kHeadDim;      // [128, 128]
+    float* out_row = v + int64_t(kPageSize) * kHeadDim;  // [128]
+    float* z = out_row + kHeadDim;                     // [128]
+    GroupState state{z + kPageSize, z + kPageSize + G, z + kPageSize + 2 * G, G};
+
+#pragma omp for schedule(dynamic)
+    for (int64_t item = 0; item < T * Hkv; ++item) {
+      const int64_t r = item / Hkv;
+      const int g = int(item % Hkv);
+      const int32_t pos = positions[r];
+      const int32_t* pages = page_table + int64_t(request[r]) * max_pages;
+      const int32_t* ids = topk + (int64_t(g) * T + r) * kTopk;
+      for (int h = 0; h < G; ++h)
+        load_row(p.q, r * p.q.stride[0] + int64_t(g * G + h) * p.q.stride[1], kHeadDim, q + int64_t(h) * kHeadDim);
+      for (int s = 0; s < splits; ++s) {
+        state.reset();
+        for (int slot = s * kTopk / splits; slot < (s + 1) * kTopk / splits; ++slot) {
+          const int32_t id = ids[slot];
+          if (id < 0) continue;
+          // Keys t <= pos of the page; only the local page is cut short.
+          const int n = int(std::min<int64_t>(kPageSize, int64_t(pos) - int64_t(id) * kPageSize + 1));
+          if (n <= 0) continue;
+          k_reader.rows(pages[id], g, 0, n, k);
+          v_reader.rows(pages[id], g, 0, n, v);
+          state.add(q, k, v, n, scale, z);
+        }
+        for (int h = 0; h < G; ++h) {
+          const int64_t row_head = r * Hq + g * G + h;
+          if (splits == 1) {
+            state.finish(h, out_row, lse_out + row_head);
+            store_row(p.out, row_head * kHeadDim, kHeadDim, out_row);
+          } else {
+            const int64_t at = int64_t(s) * T * Hq + row_head;
+            state.finish(h, partial_out + at * kHeadDim, partial_lse + at);
+          }
+        }
+      }
+    }
+  }
+
+  if (splits > 1) {
+    MergeStatesParams merge;
+    merge.out_partials = plan.partial_out.view();
+    merge.lse_partials = plan.partial_lse.view();
+    merge.out = p.out;
+    merge.lse = p.lse;
+    RunOptions merge_opt = opt;
+    merge_opt.num_threads = threads;
+    cpu::merge_states(merge, merge_opt);
+  }
+}
+
+}  // namespace msa::cpu

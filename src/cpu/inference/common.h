@@ -1,0 +1,138 @@
+// Shared pieces of the CPU inference backend: dequantising cache rows of every format,
+// the Gemma RMSNorm + RoPE row transform and a vectorisable 128-element dot product.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "backend_inference.h"
+#include "cpu/common.h"
+
+namespace msa::cpu::inference {
+
+// E2M1 magnitudes by the low 3 bits of a code; bit 3 is the sign.
+inline constexpr float kE2m1Values[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+
+inline float e2m1_to_float(uint8_t code) {
+  const float m = kE2m1Values[code & 7];
+  return (code & 8) ? -m : m;
+}
+
+// NVFP4 element: the product with its block scale rounded to E4M3 (saturating at 448).
+inline float nvfp4_element(uint8_t code, uint8_t block_scale) {
+  return e4m3_to_float(float_to_e4m3(e2m1_to_float(code) * e4m3_to_float(block_scale)));
+}
+
+// Element offset of [i0, i1, i2, 0] in a rank-4 view.
+inline int64_t offset4(const TensorView& t, int64_t i0, int64_t i1, int64_t i2) {
+  return i0 * t.stride[0] + i1 * t.stride[1] + i2 * t.stride[2];
+}
+
+// Reads dequantised rows of one side (K or V) of a validated paged cache.
+class KvRowReader {
+ public:
+  KvRowReader(const PagedKvCache& cache, bool value_side) {
+    format_ = cache.format;
+    data_ = value_side ? cache.v : cache.k;
+    block_scale_ = value_side ? cache.v_block_scale : cache.k_block_scale;
+    const TensorView& scale = value_side ? cache.v_scale : cache.k_scale;
+    mode_ = kv_scale_mode(cache);
+    if (mode_ == KvScaleMode::per_tensor) tensor_scale_ = *scale.as<const float>();
+    if (mode_ == KvScaleMode::per_head_token) {
+      token_scale_ = scale.as<const float>();
+      token_scale_stride_ = scale.stride[0];
+    }
+  }
+
+  // Rows [offset, offset + n) of (physical page, kv head) into dst [n, 128] fp32.
+  void rows(int64_t page, int head, int offset, int n, float* dst) const {
+    for (int t = 0; t < n; ++t) row(page, head, offset + t, dst + int64_t(t) * kHeadDim);
+  }
+
+  void row(int64_t page, int head, int offset, float* dst) const {
+    const int64_t base = offset4(data_, page, head, offset);
+    switch (format_) {
+      case KvFormat::bf16: {
+        const uint16_t* s = data_.as<const uint16_t>() + base;
+        for (int d = 0; d < kHeadDim; ++d) dst[d] = bf16_to_float(s[d]);
+        return;
+      }
+      case KvFormat::fp8_e4m3: {
+        const uint8_t* s = data_.as<const uint8_t>() + base;
+        float scale = tensor_scale_;
+        if (mode_ == KvScaleMode::per_head_token)
+          scale = token_scale_[head * token_scale_stride_ + page * kPageSize + offset];
+        for (int d = 0; d < kHeadDim; ++d) dst[d] = e4m3_to_float(s[d]) * scale;
+        return;
+      }
+      case KvFormat::nvfp4: {
+        const uint8_t* s = data_.as<const uint8_t>() + base;
+        const uint8_t* sf = block_scale_.as<const uint8_t>() + offset4(block_scale_, page, head, offset);
+        for (int d = 0; d < kHeadDim; d += 2) {
+          const uint8_t byte = s[d / 2], scale = sf[d / kNvfp4GroupSize];
+          dst[d] = nvfp4_element(byte & 0xf, scale) * tensor_scale_;
+          dst[d + 1] = nvfp4_element(byte >> 4, scale) * tensor_scale_;
+        }
+        return;
+      }
+    }
+  }
+
+ private:
+  KvFormat format_ = KvFormat::bf16;
+  TensorView data_, block_scale_;
+  KvScaleMode mode_ = KvScaleMode::none;
+  float tensor_scale_ = 1.0f;
+  const float* token_scale_ = nullptr;
+  int64_t token_scale_stride_ = 0;
+};
+
+// Index-K cache rows [offset, offset + n) of a physical page into dst [n, 128] fp32.
+inline void index_key_rows(const TensorView& cache, int64_t page, int offset, int n, float* dst) {
+  for (int t = 0; t < n; ++t) {
+    const int64_t base = page * cache.stride[0] + int64_t(offset + t) * cache.stride[1];
+    load_row(cache, base, kHeadDim, dst + int64_t(t) * kHeadDim);
+  }
+}
+
+// Sum of a[i] * b[i] over 128 elements, fp32, in eight interleaved partial sums (a fixed
+// order that compilers vectorise).
+inline float dot128(const float* a, const float* b) {
+  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int i = 0; i < kHeadDim; i += 8)
+    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
+  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+// Gemma RMSNorm + partial NeoX RoPE of one 128-row (spec §2.1), bf16-rounded results:
+// the norm output is rounded to bf16 before the rotation, the rotation result again.
+// `weight1p` holds 1 + w (fp32); `inv_freq` the rotary_dim / 2 fp32 inverse frequencies.
+inline void norm_rope_row(const float* x, const float* weight1p, const float* inv_freq, int rotary_dim, float eps,
+                          int32_t position, float* out) {
+  float ss = 0;
+  for (int d = 0; d < kHeadDim; ++d) ss += x[d] * x[d];
+  const float inv_rms = 1.0f / std::sqrt(ss / float(kHeadDim) + eps);
+  for (int d = 0; d < kHeadDim; ++d) out[d] = round_to_bf16(x[d] * inv_rms * weight1p[d]);
+  const int half = rotary_dim / 2;
+  for (int j = 0; j < half; ++j) {
+    const float angle = float(position) * inv_freq[j];
+    const float c = std::cos(angle), s = std::sin(angle);
+    const float x1 = out[j], x2 = out[j + half];
+    out[j] = round_to_bf16(x1 * c - x2 * s);
+    out[j + half] = round_to_bf16(x2 * c + x1 * s);
+  }
+}
+
+// fp32 inverse frequencies theta^(-2j / rotary_dim), computed in double and rounded once.
+inline void rope_inv_freq(int rotary_dim, float theta, float* inv_freq) {
+  for (int j = 0; j < rotary_dim / 2; ++j)
+    inv_freq[j] = float(1.0 / std::pow(double(theta), 2.0 * j / double(rotary_dim)));
+}
+
+// 1 + w in fp32 for a validated [128] weight.
+inline void gemma_weight(const TensorView& w, float* weight1p) {
+  load_row(w, 0, kHeadDim, weight1p);
+  for (int d = 0; d < kHeadDim; ++d) weight1p[d] += 1.0f;
+}
+
+}  // namespace msa::cpu::inference
