@@ -81,32 +81,7 @@ void sparse_attention_backward(const Topology& topo, const PackedLayout& L, cons
     dv_all.assign(size_t(total_k * Hkv * kDim), 0.0f);
   }
 
-  // CSR row of (document b, block j): row_of[doc_offset[b] + j].
-  const int B = L.num_documents();
-  std::vector<int64_t> doc_offset(static_cast<size_t>(B) + 1, 0);
-  for (int b = 0; b < B; ++b) doc_offset[size_t(b) + 1] = doc_offset[size_t(b)] + (L.document(b).k_len + kBlock - 1) / kBlock;
-  std::vector<int32_t> row_of(static_cast<size_t>(plan.total_rows));
-  const auto* plan_rows = static_cast<const int32_t*>(plan.rows.data());  // [total_rows, 2]
-  for (int64_t r = 0; r < plan.total_rows; ++r)
-    row_of[size_t(doc_offset[size_t(plan_rows[2 * r])] + plan_rows[2 * r + 1])] = int32_t(r);
-  std::vector<std::vector<int>> range_docs(kb.ranges.size());
-  for (int b = 0; b < B; ++b) range_docs[size_t(kb.doc_range[size_t(b)])].push_back(b);
-
-  // KV-outer tasks (range, block), grouped in waves whose key rows are disjoint.
-  struct Task {
-    int range;
-    int64_t block;
-    int64_t cost;
-  };
-  std::vector<std::vector<Task>> waves;
-  {
-    std::vector<Task> all;
-    for (size_t r = 0; r < kb.ranges.size(); ++r) {
-      if (!kb.disjoint) waves.emplace_back();
-      for (int64_t j = 0; j < kb.blocks_of(kb.ranges[r]); ++j) (kb.disjoint ? all : waves.back()).push_back({int(r), j, 0});
-    }
-    if (kb.disjoint) waves.push_back(std::move(all));
-  }
+  const KvTasks work = make_kv_tasks(L, kb, plan);
 
   const auto* row_ptr_all = static_cast<const int32_t*>(plan.row_ptr.data());      // [Hkv, total_rows + 1]
   const auto* q_indices_all = static_cast<const int32_t*>(plan.q_indices.data());  // [Hkv, total_q * K]
@@ -158,17 +133,8 @@ void sparse_attention_backward(const Topology& topo, const PackedLayout& L, cons
     // ---- dk / dv, KV-outer ----
     const int32_t* row_ptr = row_ptr_all + int64_t(g) * (plan.total_rows + 1);
     const int32_t* q_indices = q_indices_all + int64_t(g) * total_q * K;
-    for (auto& wave : waves) {
-      for (Task& t : wave) {
-        t.cost = 0;
-        for (int b : range_docs[size_t(t.range)]) {
-          if (t.block * kBlock >= L.document(b).k_len) continue;
-          const int32_t r = row_of[size_t(doc_offset[size_t(b)] + t.block)];
-          t.cost += row_ptr[r + 1] - row_ptr[r];
-        }
-      }
-      std::vector<Task> order = wave;
-      std::stable_sort(order.begin(), order.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+    for (const auto& wave : work.waves) {
+      const std::vector<KvTasks::Task> order = work.ordered(L, wave, row_ptr);
 #pragma omp parallel num_threads(threads)
       {
         constexpr int rows_max = kChunkQueries * kGroup;
@@ -177,15 +143,15 @@ void sparse_attention_backward(const Topology& topo, const PackedLayout& L, cons
         std::vector<float> dk(static_cast<size_t>(kBlockElems)), dv(static_cast<size_t>(kBlockElems));
 #pragma omp for schedule(dynamic, 1)
         for (size_t ti = 0; ti < order.size(); ++ti) {
-          const Task& t = order[ti];
+          const KvTasks::Task& t = order[ti];
           const KeyBlocks::Range& range = kb.ranges[size_t(t.range)];
           const int64_t stored = range.first_block + t.block;
           std::fill(dk.begin(), dk.end(), 0.0f);
           std::fill(dv.begin(), dv.end(), 0.0f);
-          for (int b : range_docs[size_t(t.range)]) {
+          for (int b : work.range_docs[size_t(t.range)]) {
             const DocumentSpan& d = L.document(b);
             if (t.block * kBlock >= d.k_len) continue;
-            const int32_t r = row_of[size_t(doc_offset[size_t(b)] + t.block)];
+            const int32_t r = work.row_of[size_t(work.doc_offset[size_t(b)] + t.block)];
             for (int32_t e = row_ptr[r]; e < row_ptr[r + 1]; e += kChunkQueries) {
               const int nq = std::min(kChunkQueries, row_ptr[r + 1] - e);
               const int rows = nq * kGroup;

@@ -3,12 +3,14 @@
 // 16 heads against those blocks.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <vector>
 
 #include "cpu/key_blocks.h"
 #include "cpu/simd.h"
+#include "msa/layout.h"
 #include "msa/ops.h"
 
 namespace msa::cpu {
@@ -64,6 +66,57 @@ inline void masked_scores(int rows, const float* a, const float* keys_t, int64_t
       for (int t = visible; t < kBlock; ++t) r[t] = kNegInf;
     }
   }
+}
+
+// KV-outer work over the plan's CSR: one task per stored key block, holding every CSR row
+// (document, block) that reads it. Tasks of one wave write disjoint key rows; ranges that
+// overlap (fragments starting at different rows of shared storage) get one wave each.
+struct KvTasks {
+  struct Task {
+    int range;
+    int64_t block;  // block index inside the range
+    int64_t cost = 0;
+  };
+  std::vector<int64_t> doc_offset;           // [B + 1] first (document, block) slot of each document
+  std::vector<int32_t> row_of;               // [total_rows] CSR row of (document b, block j) at doc_offset[b] + j
+  std::vector<std::vector<int>> range_docs;  // documents of each range, in document order
+  std::vector<std::vector<Task>> waves;
+
+  // Tasks of `wave`, largest first by the number of (query, block) edges of kv head
+  // `row_ptr` (ties keep block order).
+  std::vector<Task> ordered(const PackedLayout& L, const std::vector<Task>& wave, const int32_t* row_ptr) const {
+    std::vector<Task> order = wave;
+    for (Task& t : order) {
+      t.cost = 0;
+      for (int b : range_docs[size_t(t.range)]) {
+        if (t.block * kBlock >= L.document(b).k_len) continue;
+        const int32_t r = row_of[size_t(doc_offset[size_t(b)] + t.block)];
+        t.cost += row_ptr[r + 1] - row_ptr[r];
+      }
+    }
+    std::stable_sort(order.begin(), order.end(), [](const Task& a, const Task& b) { return a.cost > b.cost; });
+    return order;
+  }
+};
+
+inline KvTasks make_kv_tasks(const PackedLayout& L, const KeyBlocks& kb, const SparsePlan& plan) {
+  KvTasks w;
+  const int B = L.num_documents();
+  w.doc_offset.assign(static_cast<size_t>(B) + 1, 0);
+  for (int b = 0; b < B; ++b)
+    w.doc_offset[size_t(b) + 1] = w.doc_offset[size_t(b)] + (L.document(b).k_len + kBlock - 1) / kBlock;
+  w.row_of.assign(static_cast<size_t>(plan.total_rows), 0);
+  const auto* rows = static_cast<const int32_t*>(plan.rows.data());  // [total_rows, 2]
+  for (int64_t r = 0; r < plan.total_rows; ++r)
+    w.row_of[size_t(w.doc_offset[size_t(rows[2 * r])] + rows[2 * r + 1])] = int32_t(r);
+  w.range_docs.resize(kb.ranges.size());
+  for (int b = 0; b < B; ++b) w.range_docs[size_t(kb.doc_range[size_t(b)])].push_back(b);
+  if (kb.disjoint) w.waves.emplace_back();
+  for (size_t r = 0; r < kb.ranges.size(); ++r) {
+    if (!kb.disjoint) w.waves.emplace_back();
+    for (int64_t j = 0; j < kb.blocks_of(kb.ranges[r]); ++j) w.waves.back().push_back({int(r), j});
+  }
+  return w;
 }
 
 }  // namespace msa::cpu
