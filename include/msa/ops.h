@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 
 #include "msa/layout.h"
 #include "msa/tensor.h"
@@ -66,6 +67,13 @@ struct SparsePlan {
   Buffer schedule;         // [capacity, 6] int32: (head_kv, row, q_begin, q_count, document,
                            //   kv_block); q_begin indexes q_indices[head_kv]; largest first
   Buffer work_count_dev;   // [1] int32: entries of `schedule` in use
+  // CUDA plans only. build_plan does not wait for the device, so an invalid topk is found
+  // there: status is [4] int32, all 0 when topk was valid, else (1, head, row, slot) of the
+  // first invalid entry seen; the invalid entries are left out of the CSR, work_count is -1
+  // (read work_count_dev), and forward / backward / KL run on such a plan write NaN to all
+  // their outputs.
+  Buffer status;
+  std::shared_ptr<void> backend;  // backend-private metadata and scratch (CUDA)
 };
 
 // Validates `topk` against the layout (ids in range, unique, local block last) and builds the

@@ -1,0 +1,90 @@
+// Shared pieces of the CUDA backend: error checking, device selection, the per-document
+// table that kernels read, and small numeric helpers. Included by every .cu file.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "msa/error.h"
+#include "msa/layout.h"
+#include "msa/ops.h"
+
+namespace msa::cuda {
+
+[[noreturn]] void throw_cuda_error(const char* call, cudaError_t err, const char* file, int line);
+
+// Every CUDA runtime call goes through this: a failure becomes msa::Error(runtime) naming the
+// call, the CUDA message and the place.
+#define MSA_CUDA_CHECK(call)                                                          \
+  do {                                                                                \
+    cudaError_t msa_cuda_err_ = (call);                                               \
+    if (msa_cuda_err_ != cudaSuccess) ::msa::cuda::throw_cuda_error(#call, msa_cuda_err_, __FILE__, __LINE__); \
+  } while (0)
+
+// After every kernel launch: catches bad launch configurations at once (execution errors
+// surface at the next synchronising call, which is checked too).
+#define MSA_CUDA_CHECK_LAUNCH(name)                                                   \
+  do {                                                                                \
+    cudaError_t msa_cuda_err_ = cudaGetLastError();                                   \
+    if (msa_cuda_err_ != cudaSuccess) ::msa::cuda::throw_cuda_error(name " launch", msa_cuda_err_, __FILE__, __LINE__); \
+  } while (0)
+
+// Makes `device` current for the scope and restores the previous device afterwards.
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device);
+  ~DeviceGuard();
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
+inline cudaStream_t as_stream(const RunOptions& opt) { return static_cast<cudaStream_t>(opt.stream); }
+
+// Multiprocessors of the current device (cached per device).
+int sm_count();
+
+// One document as the kernels see it.
+struct DocInfo {
+  int32_t q_start, q_len, k_start, k_len;
+};
+
+// Host copy of the layout's documents in kernel form.
+std::vector<DocInfo> doc_table(const PackedLayout& layout);
+
+// The device-side state a CUDA plan carries besides its public buffers (plan.backend).
+struct PlanState {
+  Buffer docs;            // [B, 4] int32: DocInfo per document
+  Buffer cu_q;            // [B + 1] int32: cu_seqlens_q (query -> document by binary search)
+  Buffer doc_row_base;    // [B] int32: offset of document b in row_of
+  Buffer row_of;          // [total_rows] int32: row id of (b, j) at row_of[doc_row_base[b] + j]
+  Buffer chunks;          // [capacity, 6] int32: backward / KL work items (as schedule), up to
+                          //   kChunkQueries queries each, largest first
+  Buffer chunk_count;     // [1] int32
+  Buffer chunk_first;     // [Hkv, total_rows] int32: first full chunk of a row
+  Buffer chunk_nfull;     // [Hkv, total_rows] int32: full chunks of a row
+  Buffer chunk_tail;      // [Hkv, total_rows] int32: index of the row's partial chunk or -1
+  Buffer workspace;       // scratch shared by forward / backward / KL (one op at a time)
+  int64_t workspace_bytes = 0;
+  int64_t chunk_capacity = 0;
+  int64_t schedule_capacity = 0;
+  int num_documents = 0;
+  bool keys_overlap = false;  // some key token belongs to several documents (fragments)
+};
+
+inline constexpr int kChunkQueries = 128;  // queries per backward / KL work item
+
+const PlanState& plan_state(const SparsePlan& plan);
+
+inline int32_t* i32(const Buffer& b) { return static_cast<int32_t*>(b.data()); }
+inline const DocInfo* doc_ptr(const PlanState& s) { return static_cast<const DocInfo*>(s.docs.data()); }
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace msa::cuda

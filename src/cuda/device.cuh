@@ -1,0 +1,115 @@
+// Device-side building blocks: bf16 tensor-core MMA (m16n8k16), ldmatrix, cp.async and the
+// swizzled shared-memory tile of 128 bf16 columns that every attention kernel uses.
+//
+// Fragment layouts of mma.m16n8k16 (g = lane / 4, t = lane % 4):
+//   A 16x16: a0 (row g, cols 2t..2t+1), a1 (row g+8, cols 2t..), a2 (row g, cols 2t+8..), a3 (row g+8, cols 2t+8..)
+//   B 16x8:  b0 (k rows 2t..2t+1, col g), b1 (k rows 2t+8.., col g)
+//   C 16x8:  c0 c1 (row g, cols 2t, 2t+1), c2 c3 (row g+8, cols 2t, 2t+1)
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace msa::cuda {
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// 16-byte asynchronous global -> shared copy; bytes beyond `src_bytes` (0 or 16) are zero.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// A tile of rows of 128 bf16 (256 bytes) in shared memory. The 16-byte chunk c of row r is
+// stored at chunk c ^ (r & 7), so the 8 row addresses of an ldmatrix hit 8 different bank
+// groups.
+__device__ __forceinline__ uint32_t tile_offset(int row, int chunk) { return uint32_t(row * 256 + ((chunk ^ (row & 7)) << 4)); }
+
+// A fragment (16 rows x 16 columns at (row0, col0)) of a row-major tile.
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], uint32_t tile, int row0, int col0, int lane) {
+  const int row = row0 + (lane & 15);
+  const int chunk = (col0 >> 3) + (lane >> 4);
+  ldmatrix_x4(a, tile + tile_offset(row, chunk));
+}
+
+// B fragments of two n-tiles (n0, n0 + 8) over k = col0..col0+15, when the tile stores B
+// transposed (rows = n, columns = k), e.g. K for S = Q K^T: b[0], b[1] for n-tile n0 and
+// b[2], b[3] for n-tile n0 + 8.
+__device__ __forceinline__ void load_b_nk(uint32_t (&b)[4], uint32_t tile, int n0, int col0, int lane) {
+  const int row = n0 + (lane & 7) + ((lane >> 4) << 3);
+  const int chunk = (col0 >> 3) + ((lane >> 3) & 1);
+  ldmatrix_x4(b, tile + tile_offset(row, chunk));
+}
+
+// B fragments of two n-tiles (col0, col0 + 8) over k = k0..k0+15, when the tile stores B
+// as rows = k, columns = n, e.g. V for O = P V.
+__device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], uint32_t tile, int k0, int col0, int lane) {
+  const int row = k0 + (lane & 7) + (((lane >> 3) & 1) << 3);
+  const int chunk = (col0 >> 3) + (lane >> 4);
+  ldmatrix_x4_trans(b, tile + tile_offset(row, chunk));
+}
+
+// A fragments of the transpose of a tile: A = T^T (16 x 16 at A-rows m0, A-cols k0), where T
+// stores rows = k, columns = m (e.g. P^T from a [query rows, keys] tile of P).
+__device__ __forceinline__ void load_a_trans(uint32_t (&a)[4], uint32_t tile, int m0, int k0, int lane) {
+  // a0: m 0-7, k 0-7; a1: m 8-15, k 0-7; a2: m 0-7, k 8-15; a3: m 8-15, k 8-15.
+  const int mat = lane >> 3;
+  const int row = k0 + (lane & 7) + ((mat >> 1) << 3);
+  const int chunk = (m0 >> 3) + (mat & 1);
+  ldmatrix_x4_trans(a, tile + tile_offset(row, chunk));
+}
+
+// Copies `rows` rows of 128 bf16 (row stride `src_stride` elements) into a swizzled tile;
+// rows at or beyond `valid_rows` are zero-filled. Threads [0, nthreads) take part.
+__device__ __forceinline__ void load_tile_async(uint32_t tile, const __nv_bfloat16* src, int64_t src_stride, int rows,
+                                                int valid_rows, int tid, int nthreads) {
+  for (int i = tid; i < rows * 16; i += nthreads) {
+    const int r = i >> 4, c = i & 15;
+    const bool ok = r < valid_rows;
+    const __nv_bfloat16* s = src + (ok ? int64_t(r) * src_stride + c * 8 : 0);
+    cp_async16(tile + tile_offset(r, c), s, ok ? 16 : 0);
+  }
+}
+
+__device__ __forceinline__ float warp_max4(float v) {  // over the 4 lanes of a quad
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float warp_sum4(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+__device__ __forceinline__ float bf16_bits_to_float(uint16_t h) { return __uint_as_float(uint32_t(h) << 16); }
+
+}  // namespace msa::cuda

@@ -1,0 +1,384 @@
+// build_plan on the device: validates the selection, inverts it into the k2q CSR (rows
+// level-major, queries ascending within a row), assigns partial slots and cuts rows into
+// work items. The host reads only the layout; nothing here waits for the device.
+//
+// Edges (head, query, slot) are sorted by (head, row) with a stable radix sort; since they
+// are generated in (head, query) order, the queries of every row come out ascending.
+#include <cub/device/device_radix_sort.cuh>
+#include <cub/device/device_scan.cuh>
+
+#include <algorithm>
+#include <limits>
+
+#include "backend.h"
+#include "cuda/common.cuh"
+#include "cuda/device_layout.cuh"
+#include "cuda/scratch.h"
+#include "cuda/workspace.h"
+
+namespace msa::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+int blocks_for(int64_t n) { return int(std::max<int64_t>(1, ceil_div(n, kThreads))); }
+
+int bits_for(int64_t max_value) {
+  int bits = 1;
+  while ((int64_t(1) << bits) <= max_value) ++bits;
+  return bits;
+}
+
+__device__ __forceinline__ int64_t lower_bound(const int32_t* a, int64_t n, int32_t v) {
+  int64_t l = 0, r = n;
+  while (l < r) {
+    const int64_t m = (l + r) >> 1;
+    if (a[m] < v) l = m + 1; else r = m;
+  }
+  return l;
+}
+
+__device__ __forceinline__ int64_t upper_bound(const int32_t* a, int64_t n, int32_t v) {
+  int64_t l = 0, r = n;
+  while (l < r) {
+    const int64_t m = (l + r) >> 1;
+    if (a[m] <= v) l = m + 1; else r = m;
+  }
+  return l;
+}
+
+// One thread per (head, query): validates the 16 ids and emits one (key, value) per slot.
+// key = head * rows + row (or `sentinel` for an unused slot), value = local query * 16 + the
+// edge's partial slot (number of the query's valid blocks with a smaller id).
+__global__ void plan_edges_kernel(const int32_t* __restrict__ topk, int32_t total_q, int Hkv, int B,
+                                  const int32_t* __restrict__ cu_q, const DocInfo* __restrict__ docs,
+                                  const int32_t* __restrict__ doc_row_base, const int32_t* __restrict__ row_of,
+                                  int32_t total_rows, int32_t* __restrict__ keys, int32_t* __restrict__ vals,
+                                  int32_t* __restrict__ split_counts, int32_t* __restrict__ status) {
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= int64_t(Hkv) * total_q) return;
+  const int h = int(idx / total_q);
+  const int32_t q = int32_t(idx % total_q);
+  const int b = find_document(cu_q, B, q);
+  const DocInfo d = docs[b];
+  const int32_t ql = q - d.q_start;
+  const int32_t local = (d.k_len - d.q_len + ql) >> 7;
+  int32_t ids[16];
+  const int4* src = reinterpret_cast<const int4*>(topk + idx * 16);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int4 v = src[i];
+    ids[4 * i] = v.x; ids[4 * i + 1] = v.y; ids[4 * i + 2] = v.z; ids[4 * i + 3] = v.w;
+  }
+  int bad = -1, count = 0;
+  bool ended = false;
+#pragma unroll
+  for (int s = 0; s < 16; ++s) {
+    const int32_t id = ids[s];
+    bool wrong = false;
+    if (id < 0) {
+      wrong = id != -1;
+      ended = true;
+    } else {
+      wrong = ended || id > local;
+#pragma unroll
+      for (int t = 0; t < s; ++t) wrong |= ids[t] == id;
+      ++count;
+    }
+    if (wrong && bad < 0) bad = s;
+  }
+  const int32_t sentinel = Hkv * total_rows;
+  if (bad >= 0) {
+    if (atomicCAS(status, 0, 1) == 0) {
+      status[1] = h;
+      status[2] = q;
+      status[3] = bad;
+    }
+    count = 0;
+  }
+  split_counts[int64_t(q) * Hkv + h] = count;
+  const int32_t base = b < B ? doc_row_base[b] : 0;
+#pragma unroll
+  for (int s = 0; s < 16; ++s) {
+    const int32_t id = ids[s];
+    int32_t key = sentinel, val = 0;
+    if (bad < 0 && id >= 0) {
+      int rank = 0;
+#pragma unroll
+      for (int t = 0; t < 16; ++t) rank += (ids[t] >= 0 && ids[t] < id) ? 1 : 0;
+      key = h * total_rows + row_of[base + id];
+      val = ql * 16 + rank;
+    }
+    keys[idx * 16 + s] = key;
+    vals[idx * 16 + s] = val;
+  }
+}
+
+__global__ void plan_scatter_kernel(const int32_t* __restrict__ keys, const int32_t* __restrict__ vals, int64_t n,
+                                    int32_t total_rows, int32_t sentinel, int64_t edges_per_head,
+                                    int32_t* __restrict__ q_indices, int32_t* __restrict__ split_slot) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= n) return;
+  const int32_t key = keys[i];
+  if (key >= sentinel) return;
+  const int h = key / total_rows;
+  const int64_t head_start = lower_bound(keys, n, h * total_rows);
+  const int64_t pos = int64_t(h) * edges_per_head + (i - head_start);
+  q_indices[pos] = vals[i] >> 4;
+  split_slot[pos] = vals[i] & 15;
+}
+
+__global__ void plan_row_ptr_kernel(const int32_t* __restrict__ keys, int64_t n, int Hkv, int32_t total_rows,
+                                    int32_t* __restrict__ row_ptr) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= int64_t(Hkv) * (total_rows + 1)) return;
+  const int h = int(i / (total_rows + 1));
+  const int32_t r = int32_t(i % (total_rows + 1));
+  const int64_t head_start = lower_bound(keys, n, h * total_rows);
+  row_ptr[i] = int32_t(lower_bound(keys, n, h * total_rows + r) - head_start);
+}
+
+// Work items of at most `per_item` queries: per (head, row) the full items, then the tail.
+__global__ void items_count_kernel(const int32_t* __restrict__ row_ptr, int Hkv, int32_t total_rows, int per_item,
+                                   int32_t* __restrict__ nfull, int32_t* __restrict__ tail_key,
+                                   int32_t* __restrict__ tail_val) {
+  const int64_t n = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (n >= int64_t(Hkv) * total_rows) return;
+  const int h = int(n / total_rows);
+  const int32_t r = int32_t(n % total_rows);
+  const int32_t* rp = row_ptr + int64_t(h) * (total_rows + 1);
+  const int32_t count = rp[r + 1] - rp[r];
+  nfull[n] = count / per_item;
+  const int32_t tail = count % per_item;
+  tail_key[n] = tail > 0 ? per_item - tail : per_item;
+  tail_val[n] = int32_t(n);
+}
+
+__device__ __forceinline__ void write_item(int32_t* item, int h, int32_t r, int32_t q_begin, int32_t q_count,
+                                           const int32_t* rows) {
+  item[0] = h;
+  item[1] = r;
+  item[2] = q_begin;
+  item[3] = q_count;
+  item[4] = rows[2 * r];
+  item[5] = rows[2 * r + 1];
+}
+
+__global__ void items_fill_full_kernel(const int32_t* __restrict__ row_ptr, const int32_t* __restrict__ nfull,
+                                       const int32_t* __restrict__ full_pos, int64_t N, int32_t total_rows,
+                                       int per_item, int64_t capacity, const int32_t* __restrict__ rows,
+                                       int32_t* __restrict__ items) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= capacity || N == 0) return;
+  const int64_t total_full = int64_t(full_pos[N - 1]) + nfull[N - 1];
+  if (i >= total_full) return;
+  const int64_t n = upper_bound(full_pos, N, int32_t(i)) - 1;
+  const int h = int(n / total_rows);
+  const int32_t r = int32_t(n % total_rows);
+  const int32_t c = int32_t(i - full_pos[n]);
+  const int32_t begin = row_ptr[int64_t(h) * (total_rows + 1) + r] + c * per_item;
+  write_item(items + i * 6, h, r, begin, per_item, rows);
+}
+
+__global__ void items_fill_tail_kernel(const int32_t* __restrict__ row_ptr, const int32_t* __restrict__ nfull,
+                                       const int32_t* __restrict__ full_pos, const int32_t* __restrict__ sorted_key,
+                                       const int32_t* __restrict__ sorted_val, int64_t N, int32_t total_rows,
+                                       int per_item, const int32_t* __restrict__ rows, int32_t* __restrict__ items,
+                                       int32_t* __restrict__ tail_index, int32_t* __restrict__ work_count) {
+  const int64_t P = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (P >= N) return;
+  const int64_t total_full = int64_t(full_pos[N - 1]) + nfull[N - 1];
+  if (P == 0) *work_count = int32_t(total_full + lower_bound(sorted_key, N, per_item));
+  const int32_t key = sorted_key[P];
+  if (key >= per_item) return;
+  const int64_t n = sorted_val[P];
+  const int h = int(n / total_rows);
+  const int32_t r = int32_t(n % total_rows);
+  const int32_t begin = row_ptr[int64_t(h) * (total_rows + 1) + r] + nfull[n] * per_item;
+  const int64_t index = total_full + P;
+  write_item(items + index * 6, h, r, begin, per_item - key, rows);
+  if (tail_index) tail_index[n] = int32_t(index);
+}
+
+struct HostRows {
+  std::vector<int32_t> rows;           // [total_rows, 2]
+  std::vector<int32_t> doc_row_base;   // [B]
+  std::vector<int32_t> row_of;         // [total_rows]
+};
+
+// Level-major numbering: every document's block 0 (in document order), then every block 1...
+HostRows number_rows(const PackedLayout& L) {
+  const int B = L.num_documents();
+  HostRows h;
+  std::vector<int64_t> nblk(static_cast<size_t>(B));
+  int64_t total = 0;
+  for (int b = 0; b < B; ++b) {
+    nblk[size_t(b)] = ceil_div(L.document(b).k_len, 128);
+    h.doc_row_base.push_back(int32_t(total));
+    total += nblk[size_t(b)];
+  }
+  h.rows.reserve(size_t(2 * total));
+  h.row_of.assign(size_t(total), 0);
+  std::vector<int> active;
+  for (int b = 0; b < B; ++b)
+    if (nblk[size_t(b)] > 0) active.push_back(b);
+  int32_t next = 0;
+  for (int64_t j = 0; !active.empty(); ++j) {
+    size_t keep = 0;
+    for (int b : active) {
+      h.rows.push_back(b);
+      h.rows.push_back(int32_t(j));
+      h.row_of[size_t(h.doc_row_base[size_t(b)] + j)] = next++;
+      if (nblk[size_t(b)] > j + 1) active[keep++] = b;
+    }
+    active.resize(keep);
+  }
+  return h;
+}
+
+bool key_ranges_overlap(const PackedLayout& L) {
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (const auto& d : L.documents())
+    if (d.k_len > 0) ranges.emplace_back(d.k_start, d.k_start + d.k_len);
+  std::sort(ranges.begin(), ranges.end());
+  int64_t end = std::numeric_limits<int64_t>::min();
+  for (const auto& [s, e] : ranges) {
+    if (s < end) return true;
+    end = std::max(end, e);
+  }
+  return false;
+}
+
+template <typename T>
+Buffer upload(const std::vector<T>& host, Device dev, std::vector<int64_t> shape, cudaStream_t s) {
+  Buffer buf(dev, DType::i32, std::move(shape));
+  if (!host.empty())
+    MSA_CUDA_CHECK(cudaMemcpyAsync(buf.data(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice, s));
+  return buf;
+}
+
+// Cuts every (head, row) of the CSR into items of at most `per_item` queries: full items in
+// (head, row) order first, then the partial items by size descending, (head, row) order
+// among equal sizes. Writes `items` ([capacity, 6]) and `work_count` ([1]); optionally the
+// per-row index arrays the deterministic reductions use.
+void build_items(const int32_t* row_ptr, int Hkv, int32_t total_rows, int per_item, int64_t capacity,
+                 const int32_t* rows, int32_t* items, int32_t* work_count, int32_t* first, int32_t* nfull_out,
+                 int32_t* tail_index, cudaStream_t s) {
+  const int64_t N = int64_t(Hkv) * total_rows;
+  if (N == 0) {
+    MSA_CUDA_CHECK(cudaMemsetAsync(work_count, 0, sizeof(int32_t), s));
+    return;
+  }
+  StreamScratch nfull_s(N * 4, s), pos_s(N * 4, s), key_in(N * 4, s), key_out(N * 4, s), val_in(N * 4, s),
+      val_out(N * 4, s);
+  int32_t* nfull = nfull_out ? nfull_out : nfull_s.as<int32_t>();
+  int32_t* full_pos = first ? first : pos_s.as<int32_t>();
+  items_count_kernel<<<blocks_for(N), kThreads, 0, s>>>(row_ptr, Hkv, total_rows, per_item, nfull,
+                                                        key_in.as<int32_t>(), val_in.as<int32_t>());
+  MSA_CUDA_CHECK_LAUNCH("items_count_kernel");
+  size_t scan_bytes = 0, sort_bytes = 0;
+  MSA_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, nfull, full_pos, int(N), s));
+  MSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, key_in.as<int32_t>(), key_out.as<int32_t>(),
+                                                 val_in.as<int32_t>(), val_out.as<int32_t>(), int(N), 0,
+                                                 bits_for(per_item), s));
+  StreamScratch temp(int64_t(std::max(scan_bytes, sort_bytes)), s);
+  MSA_CUDA_CHECK(cub::DeviceScan::ExclusiveSum(temp.get(), scan_bytes, nfull, full_pos, int(N), s));
+  MSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.get(), sort_bytes, key_in.as<int32_t>(), key_out.as<int32_t>(),
+                                                 val_in.as<int32_t>(), val_out.as<int32_t>(), int(N), 0,
+                                                 bits_for(per_item), s));
+  if (tail_index) MSA_CUDA_CHECK(cudaMemsetAsync(tail_index, 0xff, size_t(N) * 4, s));
+  if (capacity > 0) {
+    items_fill_full_kernel<<<blocks_for(capacity), kThreads, 0, s>>>(row_ptr, nfull, full_pos, N, total_rows, per_item,
+                                                                    capacity, rows, items);
+    MSA_CUDA_CHECK_LAUNCH("items_fill_full_kernel");
+  }
+  items_fill_tail_kernel<<<blocks_for(N), kThreads, 0, s>>>(row_ptr, nfull, full_pos, key_out.as<int32_t>(),
+                                                            val_out.as<int32_t>(), N, total_rows, per_item, rows, items,
+                                                            tail_index, work_count);
+  MSA_CUDA_CHECK_LAUNCH("items_fill_tail_kernel");
+}
+
+}  // namespace
+
+void build_plan(const Topology& topo, const PackedLayout& L, const TensorView& topk, SparsePlan& plan,
+                const RunOptions& opt) {
+  const Device dev = topk.device;
+  DeviceGuard guard(dev.index);
+  const cudaStream_t s = as_stream(opt);
+  const int Hkv = topo.num_kv_heads, B = L.num_documents();
+  const int64_t total_q = L.total_q(), rows = plan.total_rows;
+  const int64_t edges = int64_t(Hkv) * total_q * 16;
+  if (edges >= (int64_t(1) << 31) || total_q >= (int64_t(1) << 27) || Hkv * (rows + 1) >= (int64_t(1) << 31))
+    throw Error(ErrorKind::unsupported, "build_plan (CUDA): Hkv * total_q * 16 must be below 2^31, got " +
+                                            std::to_string(edges));
+
+  auto state = std::make_shared<PlanState>();
+  const HostRows host_rows = number_rows(L);
+  const std::vector<DocInfo> docs = doc_table(L);
+  std::vector<int32_t> docs_flat;
+  for (const DocInfo& d : docs) docs_flat.insert(docs_flat.end(), {d.q_start, d.q_len, d.k_start, d.k_len});
+  state->num_documents = B;
+  state->docs = upload(docs_flat, dev, {B, 4}, s);
+  state->cu_q = upload(L.cu_seqlens_q(), dev, {B + 1}, s);
+  state->doc_row_base = upload(host_rows.doc_row_base, dev, {B}, s);
+  state->row_of = upload(host_rows.row_of, dev, {std::max<int64_t>(rows, 1)}, s);
+  if (rows > 0)
+    MSA_CUDA_CHECK(cudaMemcpyAsync(plan.rows.data(), host_rows.rows.data(), host_rows.rows.size() * 4,
+                                   cudaMemcpyHostToDevice, s));
+  state->keys_overlap = key_ranges_overlap(L);
+
+  plan.work_count = -1;
+  plan.status = Buffer(dev, DType::i32, {4});
+  MSA_CUDA_CHECK(cudaMemsetAsync(plan.status.data(), 0, 16, s));
+  MSA_CUDA_CHECK(cudaMemsetAsync(plan.q_indices.data(), 0xff, size_t(plan.q_indices.bytes()), s));
+  MSA_CUDA_CHECK(cudaMemsetAsync(plan.split_slot.data(), 0xff, size_t(plan.split_slot.bytes()), s));
+  MSA_CUDA_CHECK(cudaMemsetAsync(plan.row_ptr.data(), 0, size_t(plan.row_ptr.bytes()), s));
+  MSA_CUDA_CHECK(cudaMemsetAsync(plan.split_counts.data(), 0, size_t(plan.split_counts.bytes()), s));
+
+  const int64_t schedule_capacity = plan.schedule.view().shape[0];
+  state->schedule_capacity = schedule_capacity;
+  state->chunk_capacity = Hkv * (rows + ceil_div(total_q * 16, kChunkQueries));
+  state->chunks = Buffer(dev, DType::i32, {std::max<int64_t>(state->chunk_capacity, 1), 6});
+  state->chunk_count = Buffer(dev, DType::i32, {1});
+  state->chunk_first = Buffer(dev, DType::i32, {std::max<int64_t>(Hkv * rows, 1)});
+  state->chunk_nfull = Buffer(dev, DType::i32, {std::max<int64_t>(Hkv * rows, 1)});
+  state->chunk_tail = Buffer(dev, DType::i32, {std::max<int64_t>(Hkv * rows, 1)});
+
+  if (edges > 0) {
+    const int32_t sentinel = int32_t(Hkv * rows);
+    StreamScratch keys_in(edges * 4, s), keys_out(edges * 4, s), vals_in(edges * 4, s), vals_out(edges * 4, s);
+    plan_edges_kernel<<<blocks_for(Hkv * total_q), kThreads, 0, s>>>(
+        topk.as<const int32_t>(), int32_t(total_q), Hkv, B, i32(state->cu_q), doc_ptr(*state),
+        i32(state->doc_row_base), i32(state->row_of), int32_t(rows), keys_in.as<int32_t>(),
+        vals_in.as<int32_t>(), static_cast<int32_t*>(plan.split_counts.data()), static_cast<int32_t*>(plan.status.data()));
+    MSA_CUDA_CHECK_LAUNCH("plan_edges_kernel");
+    size_t sort_bytes = 0;
+    const int bits = bits_for(sentinel);
+    MSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, keys_in.as<int32_t>(), keys_out.as<int32_t>(),
+                                                   vals_in.as<int32_t>(), vals_out.as<int32_t>(), int(edges), 0, bits, s));
+    StreamScratch temp(int64_t(sort_bytes), s);
+    MSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.get(), sort_bytes, keys_in.as<int32_t>(), keys_out.as<int32_t>(),
+                                                   vals_in.as<int32_t>(), vals_out.as<int32_t>(), int(edges), 0, bits, s));
+    plan_scatter_kernel<<<blocks_for(edges), kThreads, 0, s>>>(
+        keys_out.as<int32_t>(), vals_out.as<int32_t>(), edges, int32_t(rows), sentinel, total_q * 16,
+        static_cast<int32_t*>(plan.q_indices.data()), static_cast<int32_t*>(plan.split_slot.data()));
+    MSA_CUDA_CHECK_LAUNCH("plan_scatter_kernel");
+    if (rows > 0) {
+      plan_row_ptr_kernel<<<blocks_for(Hkv * (rows + 1)), kThreads, 0, s>>>(
+          keys_out.as<int32_t>(), edges, Hkv, int32_t(rows), static_cast<int32_t*>(plan.row_ptr.data()));
+      MSA_CUDA_CHECK_LAUNCH("plan_row_ptr_kernel");
+    }
+  }
+  build_items(static_cast<const int32_t*>(plan.row_ptr.data()), Hkv, int32_t(rows), plan.q_per_cta, schedule_capacity,
+              static_cast<const int32_t*>(plan.rows.data()), static_cast<int32_t*>(plan.schedule.data()),
+              static_cast<int32_t*>(plan.work_count_dev.data()), nullptr, nullptr, nullptr, s);
+  build_items(static_cast<const int32_t*>(plan.row_ptr.data()), Hkv, int32_t(rows), kChunkQueries,
+              state->chunk_capacity, static_cast<const int32_t*>(plan.rows.data()), i32(state->chunks),
+              i32(state->chunk_count), i32(state->chunk_first), i32(state->chunk_nfull),
+              i32(state->chunk_tail), s);
+
+  allocate_workspace(topo, L, *state, dev);
+  plan.backend = state;
+}
+
+}  // namespace msa::cuda

@@ -1,0 +1,52 @@
+#include "cuda/workspace.h"
+
+#include <algorithm>
+
+namespace msa::cuda {
+
+namespace {
+struct Cursor {
+  int64_t at = 0;
+  int64_t take(int64_t bytes) {
+    const int64_t here = at;
+    at += (bytes + 255) / 256 * 256;
+    return here;
+  }
+};
+}  // namespace
+
+// Regions used by modes that never run together overlap:
+//   [0, A): forward partials | deterministic dQ partials | atomic dQ/dK/dV accumulators | KL
+//   [A, ...): delta, per-chunk and per-row dK/dV (backward, KL).
+WorkspaceLayout workspace_layout(int64_t Tq, int64_t Tk, int Hkv, int64_t rows, int64_t chunks) {
+  const int64_t Hq = 16 * int64_t(Hkv), Hi = Hkv;
+  WorkspaceLayout w;
+  Cursor fwd;
+  w.part_o = fwd.take(16 * Tq * Hq * 128 * 2);
+  w.part_lse = fwd.take(16 * Tq * Hq * 4);
+  Cursor det;
+  w.dq_part = det.take(16 * Tq * Hq * 128 * 2);
+  Cursor atomic;
+  w.dq_acc = atomic.take(Tq * Hq * 128 * 4);
+  w.dk_acc = atomic.take(Tk * Hkv * 128 * 4);
+  w.dv_acc = atomic.take(Tk * Hkv * 128 * 4);
+  Cursor kl;
+  w.dqi_part = kl.take(16 * Tq * Hi * 128 * 4);
+  w.dqi_acc = kl.take(Tq * Hi * 128 * 4);
+  w.dki_acc = kl.take(Tk * 128 * 4);
+  Cursor shared{std::max({det.at, atomic.at, kl.at})};
+  w.delta = shared.take(Tq * Hq * 4);
+  w.kv_chunks = shared.take(chunks * 2 * 128 * 128 * 4);
+  w.kv_rows = shared.take(Hkv * rows * 2 * 128 * 128 * 4);
+  w.total = std::max({fwd.at, shared.at, int64_t(256)});
+  return w;
+}
+
+void allocate_workspace(const Topology& topo, const PackedLayout& L, PlanState& state, Device dev) {
+  const WorkspaceLayout w =
+      workspace_layout(L.total_q(), L.total_k(), topo.num_kv_heads, L.total_rows(128), state.chunk_capacity);
+  state.workspace = Buffer(dev, DType::u8, {w.total});
+  state.workspace_bytes = w.total;
+}
+
+}  // namespace msa::cuda

@@ -1,0 +1,41 @@
+// The scratch memory a CUDA plan holds, and where each operation finds its part in it.
+// Forward, backward and KL share one region: operations on the same plan must be ordered
+// (one stream), which is how training uses a plan.
+#pragma once
+
+#include <cstdint>
+
+#include "cuda/common.cuh"
+
+namespace msa::cuda {
+
+struct WorkspaceLayout {
+  // forward
+  int64_t part_o = 0;    // bf16 [16, Tq, Hq, 128]: partial output of each (query, block) edge
+  int64_t part_lse = 0;  // f32 [16, Tq, Hq]: its natural-log LSE
+  // backward
+  int64_t delta = 0;     // f32 [Tq, Hq]: rowsum(dO * O)
+  int64_t dq_acc = 0;    // f32 [Tq, Hq, 128] (atomic mode)
+  int64_t dq_part = 0;   // bf16 [16, Tq, Hq, 128] (deterministic mode; aliases part_o)
+  int64_t dk_acc = 0;    // f32 [Tk, Hkv, 128]
+  int64_t dv_acc = 0;    // f32 [Tk, Hkv, 128]
+  int64_t kv_chunks = 0; // f32 [chunks, 2, 128, 128] (deterministic: per-chunk dK, dV)
+  int64_t kv_rows = 0;   // f32 [Hkv, rows, 2, 128, 128] (deterministic: per-row sums)
+  // KL
+  int64_t dqi_acc = 0;   // f32 [Tq, Hi, 128]
+  int64_t dki_acc = 0;   // f32 [Tk, 128]
+  int64_t dqi_part = 0;  // f32 [16, Tq, Hi, 128] (deterministic)
+  int64_t total = 0;     // bytes
+};
+
+WorkspaceLayout workspace_layout(int64_t total_q, int64_t total_k, int Hkv, int64_t total_rows, int64_t chunk_capacity);
+
+void allocate_workspace(const Topology& topo, const PackedLayout& L, PlanState& state, Device dev);
+
+// Typed pointer into the plan's workspace.
+template <typename T>
+T* ws(const PlanState& s, int64_t offset) {
+  return reinterpret_cast<T*>(static_cast<char*>(s.workspace.data()) + offset);
+}
+
+}  // namespace msa::cuda
