@@ -1,0 +1,126 @@
+// Decode (1..16 queries per request, split-K over the 16 slots) against the float64 oracle:
+// per-query causal positions and selections, padding rows, every split count, and agreement
+// with paged prefill of the same rows.
+#include "inference_support.h"
+
+namespace msa::test {
+namespace {
+
+const Topology kSmall = Topology::minimax_m3(4);
+
+void expect_padding_rows(const PagedCase& c, const PagedOutputs& o) {
+  const int Hq = c.topo.num_q_heads, Hi = c.topo.num_index_heads;
+  const auto ids = o.topk.ints();
+  const auto out = o.out.floats(), lse = o.lse.floats();
+  for (size_t b = 0; b < c.seq_lens.size(); ++b) {
+    if (c.seq_lens[b] != 0) continue;
+    for (int64_t r = c.cu_seqlens_q[b]; r < c.cu_seqlens_q[b + 1]; ++r) {
+      for (int g = 0; g < Hi; ++g)
+        for (int s = 0; s < 16; ++s) EXPECT_EQ(ids[size_t((g * c.total_q() + r) * 16 + s)], -1) << "padding row " << r;
+      for (int h = 0; h < Hq; ++h) {
+        EXPECT_TRUE(std::isinf(lse[size_t(r * Hq + h)]) && lse[size_t(r * Hq + h)] < 0) << "padding row " << r;
+        for (int d = 0; d < 128; ++d) EXPECT_EQ(out[size_t((r * Hq + h) * 128 + d)], 0.0f) << "padding row " << r;
+      }
+    }
+  }
+}
+
+TEST(InferenceDecode, SingleQueryAgainstOracleWithPaddingRows) {
+  MSA_SEEDED_RNG(rng);
+  const PagedCase c = make_decode_case(rng, kSmall, {1, 130, 2400, 0, 128, 129, 0}, 1);
+  for (int splits : {1, 4, 16}) {
+    SCOPED_TRACE("num_kv_splits " + std::to_string(splits));
+    const PagedOutputs o = run_paged(c, splits);
+    check_paged_selection(c, o.topk);
+    check_paged_attention(c, o);
+    expect_padding_rows(c, o);
+  }
+}
+
+TEST(InferenceDecode, EightQueriesHaveTheirOwnPositions) {
+  MSA_SEEDED_RNG(rng);
+  // Request 1's eight queries straddle a page edge (positions 124..131); request 2's queries
+  // see 18 pages and rank history pages individually.
+  const PagedCase c = make_decode_case(rng, kSmall, {8, 132, 2250, 0}, 8);
+  const PagedOutputs o = run_paged(c, 2);
+  check_paged_selection(c, o.topk);
+  check_paged_attention(c, o);
+  expect_padding_rows(c, o);
+  const auto ids = o.topk.ints();
+  // Query i of request 0 sits at position i: exactly page 0.
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(ids[size_t(i * 16)], 0);
+  // Request 1: positions 124..127 see pages {0}, 128..131 see {0, 1} with 1 last.
+  for (int i = 0; i < 8; ++i) {
+    const int32_t* row = ids.data() + (8 + i) * 16;
+    if (i < 4) EXPECT_EQ(std::vector<int32_t>(row, row + 2), (std::vector<int32_t>{0, -1}));
+    else EXPECT_EQ(std::vector<int32_t>(row, row + 3), (std::vector<int32_t>{0, 1, -1}));
+  }
+}
+
+TEST(InferenceDecode, SixteenQueriesFullTopology) {
+  MSA_SEEDED_RNG(rng);
+  const PagedCase c = make_decode_case(rng, Topology::minimax_m3(), {16, 2070}, 16);
+  const PagedOutputs o = run_paged(c);
+  check_paged_selection(c, o.topk);
+  std::vector<int64_t> rows;
+  for (int64_t r = 0; r < c.total_q(); r += 3) rows.push_back(r);
+  check_paged_attention(c, o, rows);
+}
+
+TEST(InferenceDecode, SplitCountsAgree) {
+  MSA_SEEDED_RNG(rng);
+  const PagedCase c = make_decode_case(rng, kSmall, {2300, 700, 3}, 2);
+  const PagedOutputs base = run_paged(c, 1, DType::f32);
+  const auto base_out = base.out.floats(), base_lse = base.lse.floats();
+  for (int splits : {2, 4, 8, 16}) {
+    SCOPED_TRACE("num_kv_splits " + std::to_string(splits));
+    const PagedOutputs o = run_paged(c, splits, DType::f32);
+    EXPECT_EQ(o.topk.ints(), base.topk.ints());
+    expect_close("out", o.out.floats(), std::vector<double>(base_out.begin(), base_out.end()), 1e-6, 1e-5);
+    expect_close("lse", o.lse.floats(), std::vector<double>(base_lse.begin(), base_lse.end()), 1e-6, 1e-6);
+  }
+  check_paged_attention(c, base);
+}
+
+TEST(InferenceDecode, MatchesPagedPrefillOfTheSameRows) {
+  MSA_SEEDED_RNG(rng);
+  PagedCase d = make_decode_case(rng, kSmall, {2200, 40, 300}, 4);
+  PagedCase p = d;  // same caches and inputs, described as a chunked prefill of 4 tokens each
+  p.phase = InferencePhase::prefill;
+  p.q_len_per_req = 0;
+  const PagedOutputs od = run_paged(d, 16, DType::f32), op = run_paged(p, 0, DType::f32);
+  EXPECT_EQ(od.topk.ints(), op.topk.ints());
+  const auto out = op.out.floats(), lse = op.lse.floats();
+  expect_close("out", od.out.floats(), std::vector<double>(out.begin(), out.end()), 1e-6, 1e-5);
+  expect_close("lse", od.lse.floats(), std::vector<double>(lse.begin(), lse.end()), 1e-6, 1e-6);
+}
+
+TEST(InferenceDecode, AutomaticSplitCount) {
+  MSA_SEEDED_RNG(rng);
+  // 256 / (batch * Q * Hkv) rounded down to a power of two, clamped to [1, 16].
+  EXPECT_EQ(make_decode_case(rng, kSmall, {200}, 1).plan().num_kv_splits, 16);
+  EXPECT_EQ(make_decode_case(rng, Topology::minimax_m3(), {200, 8, 9}, 8).plan().num_kv_splits, 2);
+  EXPECT_EQ(make_decode_case(rng, Topology::minimax_m3(), {200, 8, 9, 10, 11, 12, 13, 14, 15}, 8).plan().num_kv_splits, 1);
+  const InferencePlan plan = make_decode_case(rng, kSmall, {200, 300}, 3).plan(4);
+  EXPECT_EQ(plan.num_kv_splits, 4);
+  EXPECT_EQ(plan.partial_out.view().shape_vector(), (std::vector<int64_t>{4, 6, 16, 128}));
+}
+
+TEST(InferenceDecode, PlanDerivedRows) {
+  MSA_SEEDED_RNG(rng);
+  const PagedCase c = make_decode_case(rng, kSmall, {130, 0}, 3);
+  const InferencePlan plan = c.plan();
+  const auto* pos = static_cast<const int32_t*>(plan.positions.data());
+  const auto* slot = static_cast<const int32_t*>(plan.slot_mapping.data());
+  const auto* req = static_cast<const int32_t*>(plan.query_request.data());
+  EXPECT_EQ(std::vector<int32_t>(pos, pos + 6), (std::vector<int32_t>{127, 128, 129, -3, -2, -1}));
+  EXPECT_EQ(std::vector<int32_t>(req, req + 6), (std::vector<int32_t>{0, 0, 0, 1, 1, 1}));
+  const int32_t p0 = c.page_table[0], p1 = c.page_table[1];
+  EXPECT_EQ(std::vector<int32_t>(slot, slot + 6), (std::vector<int32_t>{p0 * 128 + 127, p1 * 128, p1 * 128 + 1, -1, -1, -1}));
+  EXPECT_EQ(plan.max_seqlen_k, 130);
+  EXPECT_EQ(plan.total_q, 6);
+  EXPECT_EQ(plan.max_physical_page, std::max(p0, p1));
+}
+
+}  // namespace
+}  // namespace msa::test
