@@ -1,0 +1,243 @@
+#include "bench.h"
+
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+
+#include "case_io.h"
+#include "msa/msa.h"
+#include "table.h"
+#include "workload.h"
+
+namespace msa::tool {
+
+namespace {
+
+[[noreturn]] void invalid(const std::string& message) { throw Error(ErrorKind::invalid_argument, message); }
+
+void progress(const std::string& line) { std::cerr << "[msa bench] " << line << std::endl; }
+
+// Index vectors of the coherent distribution decorrelate over about this many tokens.
+constexpr double kCoherentTokens = 256;
+
+struct StepTiming {
+  double seconds = 0;  // median
+  double flops = 0;    // useful FLOPs, 0 when no convention applies
+};
+
+struct BenchRow {
+  int64_t tokens = 0;
+  Selection selection = Selection::independent;
+  double union8 = 0;
+  StepTiming indexer, plan, forward, backward, kl;
+  int64_t buffer_bytes = 0;
+};
+
+BenchRow bench_one(const Topology& topo, Device dev, int64_t tokens, Selection selection, int repeats, const RunOptions& run,
+                   uint64_t seed) {
+  const PackedLayout layout = layout_of_documents({tokens});
+  const int64_t T = tokens;
+  const int Hq = topo.num_q_heads, Hkv = topo.num_kv_heads, Hi = topo.num_index_heads, D = topo.head_dim,
+            Di = topo.index_head_dim, K = topo.topk;
+  DeviceArena arena(dev);
+
+  // Inputs: main tensors i.i.d.; index vectors by the chosen distribution.
+  auto random_input = [&](std::vector<int64_t> shape, uint64_t stream) {
+    StTensor t = make_tensor("", DType::bf16, std::move(shape));
+    fill_normal_bf16(reinterpret_cast<uint16_t*>(t.bytes.data()), t.numel(), 0.2f, seed, stream);
+    return arena.upload(t.view());
+  };
+  Buffer q = random_input({T, Hq, D}, 1), k = random_input({T, Hkv, D}, 2), v = random_input({T, Hkv, D}, 3),
+         dout = random_input({T, Hq, D}, 4);
+  Buffer qi, ki;
+  if (selection == Selection::independent) {
+    qi = random_input({T, Hi, Di}, 5);
+    ki = random_input({T, 1, Di}, 6);
+  } else {
+    StTensor a = make_tensor("", DType::bf16, {T, Hi, Di}), b = make_tensor("", DType::bf16, {T, 1, Di});
+    fill_drifting_bf16(reinterpret_cast<uint16_t*>(a.bytes.data()), layout, false, Hi, Di, 0.2f, kCoherentTokens, seed, 5);
+    fill_drifting_bf16(reinterpret_cast<uint16_t*>(b.bytes.data()), layout, true, 1, Di, 0.2f, kCoherentTokens, seed, 6);
+    qi = arena.upload(a.view());
+    ki = arena.upload(b.view());
+  }
+  Buffer topk = arena.allocate(DType::i32, {Hi, T, K}), index_lse = arena.allocate(DType::f32, {Hi, T});
+  Buffer out = arena.allocate(DType::bf16, {T, Hq, D}), lse = arena.allocate(DType::f32, {T, Hq});
+  Buffer dq = arena.allocate(DType::bf16, {T, Hq, D}), dk = arena.allocate(DType::bf16, {T, Hkv, D}),
+         dv = arena.allocate(DType::bf16, {T, Hkv, D});
+  Buffer dqi = arena.allocate(DType::bf16, {T, Hi, Di}), dki = arena.allocate(DType::bf16, {T, 1, Di});
+
+  SparsePlan plan;
+  auto indexer = [&] {
+    SelectBlocksParams p;
+    p.index_q = qi.view();
+    p.index_k = ki.view();
+    p.topk = topk.view();
+    p.selected_lse = index_lse.view();
+    select_blocks(topo, layout, p, run);
+  };
+  auto make_plan = [&] { plan = build_plan(topo, layout, topk.view(), PlanOptions{}, run); };
+  auto forward = [&] {
+    AttentionForwardParams p;
+    p.q = q.view();
+    p.k = k.view();
+    p.v = v.view();
+    p.topk = topk.view();
+    p.out = out.view();
+    p.lse = lse.view();
+    sparse_attention_forward(topo, layout, plan, p, run);
+  };
+  auto backward = [&] {
+    AttentionBackwardParams p;
+    p.q = q.view();
+    p.k = k.view();
+    p.v = v.view();
+    p.topk = topk.view();
+    p.out = out.view();
+    p.lse = lse.view();
+    p.dout = dout.view();
+    p.dq = dq.view();
+    p.dk = dk.view();
+    p.dv = dv.view();
+    sparse_attention_backward(topo, layout, plan, p, run);
+  };
+  auto kl = [&] {
+    KlBackwardParams p;
+    p.q = q.view();
+    p.k = k.view();
+    p.lse = lse.view();
+    p.index_q = qi.view();
+    p.index_k = ki.view();
+    p.index_lse = index_lse.view();
+    p.topk = topk.view();
+    p.dindex_q = dqi.view();
+    p.dindex_k = dki.view();
+    kl_backward(topo, layout, plan, p, run);
+  };
+
+  const std::string label = std::to_string(T) + " tokens, " + to_string(selection) + " selection";
+  progress(label + ": warm-up");
+  indexer();
+  make_plan();
+  forward();
+  backward();
+  kl();
+  synchronize(dev);
+
+  std::vector<double> t_indexer, t_plan, t_forward, t_backward, t_kl;
+  for (int r = 0; r < repeats; ++r) {
+    progress(label + ": run " + std::to_string(r + 1) + "/" + std::to_string(repeats));
+    t_indexer.push_back(time_once(dev, indexer));
+    t_plan.push_back(time_once(dev, make_plan));
+    t_forward.push_back(time_once(dev, forward));
+    t_backward.push_back(time_once(dev, backward));
+    t_kl.push_back(time_once(dev, kl));
+  }
+
+  const std::vector<int32_t> ids = to_host_ints(topk.view());
+  BenchRow row;
+  row.tokens = T;
+  row.selection = selection;
+  row.union8 = mean_union_of_8(topo, layout, ids.data());
+  row.indexer = {median(t_indexer), indexer_flops(topo, layout)};
+  row.plan = {median(t_plan), 0};
+  row.forward = {median(t_forward), forward_flops(topo, layout, ids.data())};
+  row.backward = {median(t_backward), 2.5 * row.forward.flops};
+  row.kl = {median(t_kl), 0};
+  row.buffer_bytes = arena.bytes_allocated();
+  for (const Buffer* b : {&plan.rows, &plan.row_ptr, &plan.q_indices, &plan.split_slot, &plan.split_counts, &plan.schedule,
+                          &plan.work_count_dev})
+    row.buffer_bytes += b->bytes();
+  return row;
+}
+
+std::string cell(const StepTiming& s) {
+  if (s.flops <= 0) return format_time(s.seconds);
+  return format_time(s.seconds) + " (" + format_rate(s.flops, s.seconds) + ")";
+}
+
+nlohmann::json step_json(const StepTiming& s) {
+  nlohmann::json j = {{"ms", s.seconds * 1e3}};
+  if (s.flops > 0) {
+    j["useful_flops"] = s.flops;
+    j["tflops_per_s"] = s.seconds > 0 ? s.flops / s.seconds / 1e12 : 0.0;
+  }
+  return j;
+}
+
+}  // namespace
+
+int run_bench(const BenchOptions& o) {
+  const Device dev = resolve_backend(o.backend);
+  std::vector<int64_t> sizes;
+  if (!o.sizes.empty()) sizes = parse_size_list(o.sizes, "--sizes");
+  else if (dev.is_cuda()) sizes = {4096, 8192, 16384, 32768, 65536, 131072};
+  else sizes = {4096, 8192};
+  std::vector<Selection> selections;
+  if (o.selection == "independent" || o.selection == "both") selections.push_back(Selection::independent);
+  if (o.selection == "coherent" || o.selection == "both") selections.push_back(Selection::coherent);
+  if (selections.empty()) invalid("--selection must be independent, coherent or both, got '" + o.selection + "'");
+  const int repeats = o.repeats > 0 ? o.repeats : (dev.is_cuda() ? 10 : 3);
+  if (!o.json_path.empty()) {
+    const auto parent = std::filesystem::absolute(o.json_path).parent_path();
+    if (!std::filesystem::is_directory(parent))
+      invalid("--json " + o.json_path + ": the folder " + parent.string() + " does not exist");
+  }
+
+  const Topology topo = Topology::minimax_m3();
+  RunOptions run;
+  run.num_threads = o.threads;
+  std::cout << "msa " << kVersion << " bench on " << to_string(dev) << ": one document per size, " << topo.num_q_heads
+            << " query / " << topo.num_kv_heads << " kv / " << topo.num_index_heads << " index heads, head dim "
+            << topo.head_dim << ", top-" << topo.topk << " blocks of " << topo.block_size << "; median of " << repeats
+            << " runs after a warm-up\n\n";
+
+  std::vector<BenchRow> rows;
+  for (int64_t n : sizes)
+    for (Selection s : selections) rows.push_back(bench_one(topo, dev, n, s, repeats, run, o.seed));
+
+  Table table({"tokens", "selection", "union of 8", "indexer", "plan", "forward", "backward", "KL", "buffers"});
+  for (const BenchRow& r : rows) {
+    char u[16];
+    std::snprintf(u, sizeof u, "%.1f", r.union8);
+    table.add_row({std::to_string(r.tokens), to_string(r.selection), u, cell(r.indexer), cell(r.plan), cell(r.forward),
+                   cell(r.backward), cell(r.kl), format_bytes(double(r.buffer_bytes))});
+  }
+  table.print(std::cout);
+  std::cout << "\nRates are on useful FLOPs: forward = 4 * Hq * 128 * attended (query, key) pairs, backward = 2.5 x forward,"
+               " indexer = 2 * 128 * Hi * causal pairs. 'union of 8': mean number of distinct blocks selected by 8"
+               " consecutive tokens of one index head. 'buffers': inputs, outputs and plan (backend workspaces not included).\n";
+
+  if (!o.json_path.empty()) {
+    nlohmann::json j = {{"msa_version", kVersion},
+                        {"device", to_string(dev)},
+                        {"heads", {{"q", topo.num_q_heads}, {"kv", topo.num_kv_heads}, {"index", topo.num_index_heads}}},
+                        {"repeats", repeats},
+                        {"flop_convention",
+                         "forward = 4*Hq*128*attended pairs; backward = 2.5*forward; indexer = 2*128*Hi*causal pairs"},
+                        {"results", nlohmann::json::array()}};
+    for (const BenchRow& r : rows)
+      j["results"].push_back({{"tokens", r.tokens},
+                              {"selection", to_string(r.selection)},
+                              {"mean_union_of_8", r.union8},
+                              {"indexer", step_json(r.indexer)},
+                              {"plan", step_json(r.plan)},
+                              {"forward", step_json(r.forward)},
+                              {"backward", step_json(r.backward)},
+                              {"kl", step_json(r.kl)},
+                              {"buffer_bytes", r.buffer_bytes}});
+    const std::string temp = o.json_path + ".tmp";
+    {
+      std::ofstream f(temp);
+      f << j.dump(2) << '\n';
+      if (!f) invalid("--json " + o.json_path + ": cannot write the file");
+    }
+    std::filesystem::rename(temp, o.json_path);
+    std::cout << "wrote " << o.json_path << "\n";
+  }
+  return 0;
+}
+
+}  // namespace msa::tool

@@ -1,0 +1,23 @@
+// `msa bench`: times indexer, plan, forward, backward and KL on the standard shapes of the
+// architecture's measurement section (one document of 4k..128k tokens, MiniMax-M3 heads)
+// for both selection distributions.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace msa::tool {
+
+struct BenchOptions {
+  std::string backend = "auto";
+  std::string sizes;              // "4096,8192"; empty: 4k, 8k on the CPU, 4k..128k on a GPU
+  std::string selection = "both";  // independent | coherent | both
+  int repeats = 0;                // timed runs per step after one warm-up; 0: 3 on the CPU, 10 on a GPU
+  int threads = 0;
+  uint64_t seed = 1;
+  std::string json_path;          // also write the table as JSON here
+};
+
+int run_bench(const BenchOptions& options);
+
+}  // namespace msa::tool

@@ -1,0 +1,163 @@
+// The msa command-line tool: argument parsing and error reporting. The subcommands live in
+// their own files (demo.cpp, run_case.cpp, bench.cpp, make_case.cpp, inspect.cpp).
+//
+// Exit codes: 0 success; 1 a check failed (demo FAIL, compare found differences) or the run
+// itself failed (e.g. a CUDA error); 2 bad usage or bad input (arguments, files, tensors).
+#include <CLI/CLI.hpp>
+
+#include <iostream>
+#include <string>
+
+#include "bench.h"
+#include "case_io.h"
+#include "demo.h"
+#include "inspect.h"
+#include "make_case.h"
+#include "msa/error.h"
+#include "msa/version.h"
+#include "run_case.h"
+
+namespace {
+
+constexpr int kExitFailed = 1;
+constexpr int kExitUsage = 2;
+
+std::string version_text() {
+  return std::string("msa ") + msa::kVersion + (msa::built_with_cuda() ? " (CPU + CUDA backends)" : " (CPU backend)");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace msa::tool;
+  CLI::App app{"msa: MiniMax Sparse Attention — exact CPU backend, CUDA backend for Hopper.\n"
+               "Run 'msa <command> --help' for the options of a command.",
+               "msa"};
+  app.set_version_flag("--version", version_text());
+  app.require_subcommand(1);
+  app.fallthrough(false);
+
+  // ---- demo ----
+  DemoOptions demo;
+  CLI::App* demo_cmd = app.add_subcommand(
+      "demo", "Run indexer, plan, forward, backward and KL on a built-in packed batch of random inputs; time each step and "
+              "check sampled rows against the float64 oracle (exit 1 on FAIL).");
+  demo_cmd->add_option("--backend", demo.backend, "auto (CUDA when a GPU is usable), cpu or cuda")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
+      ->capture_default_str();
+  demo_cmd->add_option("--tokens", demo.tokens,
+                       "Total tokens of the mixed pack (4096+2500+1200+300+129+1 scaled); default 8226 on the CPU, 32904 on a GPU")
+      ->check(CLI::Range(int64_t(1), int64_t(1) << 30));
+  demo_cmd->add_option("--docs", demo.docs, "Explicit document lengths, e.g. 2300,129,1 (overrides --tokens)");
+  demo_cmd->add_option("--seed", demo.seed, "Random seed")->capture_default_str();
+  demo_cmd->add_option("--threads", demo.threads, "CPU threads (0 = all)")->check(CLI::Range(0, 4096))->capture_default_str();
+  demo_cmd->add_option("--tp", demo.tp, "Tensor-parallel shard of MiniMax-M3: 1 (64/4 heads), 2 (32/2) or 4 (16/1)")
+      ->check(CLI::IsMember({1, 2, 4}))
+      ->capture_default_str();
+  demo_cmd->add_option("--samples", demo.samples, "Query rows checked one by one against the oracle")
+      ->check(CLI::Range(1, 100000))
+      ->capture_default_str();
+
+  // ---- run-case ----
+  std::string case_in, case_out, case_backend = "auto";
+  RunCaseOptions case_options;
+  CLI::App* case_cmd = app.add_subcommand(
+      "run-case",
+      "Run the training path on the tensors of a safetensors file and write the results to another. Inputs: q, k, v, "
+      "index_q, index_k (BF16), cu_seqlens_q, cu_seqlens_k (I32), optional fragment_indices, topk (I32, skips the indexer), "
+      "grad_out (BF16, adds backward and KL). __metadata__: mode, init_blocks, local_blocks, lse_temperature, "
+      "softmax_scale, index_scale, q_per_cta, kl_grad_scale. Outputs: topk, out (BF16), lse, indexer_lse (F32) and with "
+      "grad_out dq, dk, dv, dindex_q, dindex_k (F32).");
+  case_cmd->add_option("--in", case_in, "Input .safetensors file")->required();
+  case_cmd->add_option("--out", case_out, "Output .safetensors file (written atomically)")->required();
+  case_cmd->add_option("--backend", case_backend, "auto, cpu or cuda")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
+      ->capture_default_str();
+  case_cmd->add_flag("--deterministic", case_options.deterministic, "Bitwise reproducible accumulation");
+  case_cmd->add_option("--threads", case_options.threads, "CPU threads (0 = all)")->check(CLI::Range(0, 4096));
+
+  // ---- bench ----
+  BenchOptions bench;
+  CLI::App* bench_cmd = app.add_subcommand(
+      "bench", "Time indexer, plan, forward, backward and KL on one document per size (MiniMax-M3 heads) for independent "
+               "and coherent selections; median of repeats after a warm-up.");
+  bench_cmd->add_option("--json", bench.json_path, "Also write the results as JSON to this file");
+  bench_cmd->add_option("--backend", bench.backend, "auto, cpu or cuda")
+      ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
+      ->capture_default_str();
+  bench_cmd->add_option("--sizes", bench.sizes, "Tokens per document, e.g. 4096,8192,16k (default: 4k,8k on the CPU; 4k..128k on a GPU)");
+  bench_cmd->add_option("--selection", bench.selection, "independent, coherent or both")
+      ->check(CLI::IsMember({"independent", "coherent", "both"}))
+      ->capture_default_str();
+  bench_cmd->add_option("--repeats", bench.repeats, "Timed runs per step (default 3 on the CPU, 10 on a GPU)")
+      ->check(CLI::Range(1, 100000));
+  bench_cmd->add_option("--threads", bench.threads, "CPU threads (0 = all)")->check(CLI::Range(0, 4096));
+  bench_cmd->add_option("--seed", bench.seed, "Random seed")->capture_default_str();
+
+  // ---- make-case, inspect, compare ----
+  MakeCaseOptions make;
+  CLI::App* make_cmd = app.add_subcommand("make-case", "Write a run-case input file of random inputs.");
+  make_cmd->add_option("--out", make.out_path, "Output .safetensors file")->required();
+  make_cmd->add_option("--docs", make.docs, "Document lengths")->capture_default_str();
+  make_cmd->add_option("--tp", make.tp, "1 (64/4 heads), 2 (32/2) or 4 (16/1)")->check(CLI::IsMember({1, 2, 4}))->capture_default_str();
+  make_cmd->add_option("--seed", make.seed, "Random seed")->capture_default_str();
+  make_cmd->add_flag("--grad", make.grad, "Include grad_out (run-case then runs backward and KL)");
+  make_cmd->add_option("--topk-from", make.topk_from, "Copy the 'topk' tensor of this file (e.g. an earlier output)");
+  make_cmd->add_option("--set", make.set, "KEY=VALUE __metadata__ entry (repeatable)");
+  make_cmd->add_option("--omit", make.omit, "Leave out this tensor (repeatable)");
+  make_cmd->add_option("--retype", make.retype, "NAME=DTYPE: store a tensor as another dtype (repeatable)");
+
+  std::string inspect_path;
+  CLI::App* inspect_cmd = app.add_subcommand("inspect", "List the metadata and tensors of a safetensors file.");
+  inspect_cmd->add_option("file", inspect_path, "A .safetensors file")->required();
+
+  CompareOptions compare;
+  CLI::App* compare_cmd = app.add_subcommand("compare", "Compare two safetensors files tensor by tensor (exit 1 if they differ).");
+  compare_cmd->add_option("a", compare.a, "First file")->required();
+  compare_cmd->add_option("b", compare.b, "Second file (the reference for rtol)")->required();
+  compare_cmd->add_option("--tensors", compare.tensors, "Tensors to compare (default: all of the first file)")->delimiter(',');
+  compare_cmd->add_option("--atol", compare.atol, "Absolute tolerance")->check(CLI::NonNegativeNumber)->capture_default_str();
+  compare_cmd->add_option("--rtol", compare.rtol, "Relative tolerance")->check(CLI::NonNegativeNumber)->capture_default_str();
+
+  auto active_name = [&]() -> std::string {
+    for (CLI::App* sub : app.get_subcommands()) return "msa " + sub->get_name();
+    return "msa";
+  };
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    const std::string who = active_name();
+    std::cerr << who << ": error: " << e.what() << "\nRun '" << who << " --help' for usage.\n";
+    return kExitUsage;
+  }
+
+  const std::string who = active_name();
+  try {
+    if (*demo_cmd) return run_demo(demo);
+    if (*case_cmd) {
+      case_options.device = resolve_backend(case_backend);
+      return run_case(case_in, case_out, case_options);
+    }
+    if (*bench_cmd) return run_bench(bench);
+    if (*make_cmd) return run_make_case(make);
+    if (*inspect_cmd) return run_inspect(inspect_path);
+    if (*compare_cmd) return run_compare(compare);
+  } catch (const msa::Error& e) {
+    std::cerr << who << ": error: " << e.what() << "\n";
+    return e.kind() == msa::ErrorKind::runtime ? kExitFailed : kExitUsage;
+  } catch (const std::bad_alloc&) {
+    std::cerr << who << ": error: out of memory\n";
+    return kExitFailed;
+  } catch (const std::exception& e) {
+    std::cerr << who << ": error: " << e.what() << "\n";
+    return kExitFailed;
+  }
+  return kExitUsage;
+}

@@ -1,0 +1,34 @@
+// Error measures between a result and a reference (spec §7): relative L2 error, cosine
+// similarity, and allclose-style counts |x - ref| <= atol + rtol |ref|.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace msa::tool {
+
+class ErrorStats {
+ public:
+  ErrorStats(double atol = 0, double rtol = 0) : atol_(atol), rtol_(rtol) {}
+  // Adds one pair. Non-finite values: equal infinities (e.g. LSE -inf of empty rows) match;
+  // anything else non-finite counts as a mismatch (NaN never passes).
+  void add(double value, double reference);
+
+  int64_t count() const { return count_; }
+  int64_t mismatches() const { return mismatches_; }  // pairs outside atol + rtol |ref|
+  double max_abs_error() const { return max_abs_; }
+  // ||x - ref|| / ||ref|| (0 when both are zero; inf when only ref is zero).
+  double relative_l2() const;
+  // <x, ref> / (||x|| ||ref||); 1 when both are zero.
+  double cosine() const;
+
+ private:
+  double atol_, rtol_;
+  int64_t count_ = 0, mismatches_ = 0;
+  double max_abs_ = 0, diff2_ = 0, ref2_ = 0, val2_ = 0, dot_ = 0;
+};
+
+// "1.2e-03"
+std::string sci(double v);
+
+}  // namespace msa::tool

@@ -1,0 +1,31 @@
+#include "table.h"
+
+#include <algorithm>
+
+namespace msa::tool {
+
+void Table::print(std::ostream& os) const {
+  std::vector<size_t> width(header_.size(), 0);
+  auto measure = [&](const std::vector<std::string>& row) {
+    for (size_t i = 0; i < row.size() && i < width.size(); ++i) width[i] = std::max(width[i], row[i].size());
+  };
+  measure(header_);
+  for (const auto& r : rows_) measure(r);
+  auto line = [&](const std::vector<std::string>& row) {
+    std::string text;
+    for (size_t i = 0; i < width.size(); ++i) {
+      const std::string cell = i < row.size() ? row[i] : "";
+      text += cell;
+      if (i + 1 < width.size()) text += std::string(width[i] - cell.size() + 2, ' ');
+    }
+    while (!text.empty() && text.back() == ' ') text.pop_back();
+    os << text << '\n';
+  };
+  line(header_);
+  size_t total = 0;
+  for (size_t w : width) total += w + 2;
+  os << std::string(total > 2 ? total - 2 : 0, '-') << '\n';
+  for (const auto& r : rows_) line(r);
+}
+
+}  // namespace msa::tool
