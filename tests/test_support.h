@@ -354,6 +354,22 @@ inline void check_forward(const AttentionCase& c, const ForwardOutputs& o, std::
   expect_close("lse", lse_got, lse_want, 1e-3, 1e-3);
 }
 
+// [total_k, Hkv]: 1 where some query attends the key through head g's selection (the
+// selected block AND t <= p), computed directly from the layout and the top-k ids.
+inline std::vector<char> attended_keys(const Topology& topo, const PackedLayout& L, const std::vector<int32_t>& ids) {
+  const int Hkv = topo.num_kv_heads, B = topo.block_size, K = topo.topk;
+  std::vector<char> attended(size_t(L.total_k() * Hkv), 0);
+  for (const DocumentSpan& d : L.documents())
+    for (int64_t i = 0; i < d.q_len; ++i)
+      for (int g = 0; g < Hkv; ++g)
+        for (int s = 0; s < K; ++s) {
+          const int32_t b = ids[size_t((g * L.total_q() + d.q_start + i) * K + s)];
+          for (int64_t t = int64_t(b) * B; b >= 0 && t < std::min<int64_t>((b + 1) * int64_t(B), d.k_len); ++t)
+            if (t <= d.k_len - d.q_len + i) attended[size_t((d.k_start + t) * Hkv + g)] = 1;
+        }
+  return attended;
+}
+
 struct BackwardOutputs {
   HostTensor dq, dk, dv;
 };
@@ -396,13 +412,21 @@ inline void check_backward(const AttentionCase& c, const ForwardOutputs& fwd, co
     const HostTensor& got;
     const std::vector<double>& want;
   } grads[] = {{"dq", got.dq, want.dq}, {"dk", got.dk, want.dk}, {"dv", got.dv, want.dv}};
-  for (const auto& t : grads) {
-    const auto values = t.got.floats();
-    expect_gradient(t.name, values, t.want);
-    int64_t nonzero = 0;
-    for (size_t e = 0; e < values.size(); ++e) nonzero += t.want[e] == 0.0 && values[e] != 0.0f;
-    EXPECT_EQ(nonzero, 0) << t.name << ": " << nonzero << " elements the oracle leaves exactly 0 are not 0";
-  }
+  for (const auto& t : grads) expect_gradient(t.name, t.got.floats(), t.want);
+
+  // Structural zeros: dq of (row, head) pairs without keys, dk / dv of keys no query attends.
+  const int D = c.topo.head_dim;
+  const std::vector<char> attended = attended_keys(c.topo, c.layout, ids);
+  const auto dq = got.dq.floats(), dk = got.dk.floats(), dv = got.dv.floats();
+  int64_t dq_nonzero = 0, dkv_nonzero = 0;
+  for (size_t x = 0; x < want.lse.size(); ++x)
+    if (std::isinf(want.lse[x]))
+      for (int e = 0; e < D; ++e) dq_nonzero += dq[x * size_t(D) + size_t(e)] != 0.0f;
+  for (size_t x = 0; x < attended.size(); ++x)
+    if (!attended[x])
+      for (int e = 0; e < D; ++e) dkv_nonzero += dk[x * size_t(D) + size_t(e)] != 0.0f || dv[x * size_t(D) + size_t(e)] != 0.0f;
+  EXPECT_EQ(dq_nonzero, 0) << "dq of queries without keys must be exactly 0";
+  EXPECT_EQ(dkv_nonzero, 0) << "dk / dv of keys no query attends must be exactly 0";
   // Forward on all rows, from the same oracle pass.
   const int Hq = c.topo.num_q_heads;
   const auto out = fwd.out.floats(), lse = fwd.lse.floats();
