@@ -36,6 +36,7 @@ WorkspaceLayout workspace_layout(int64_t Tq, int64_t Tk, int Hkv, int64_t rows, 
   w.dki_acc = kl.take(Tk * 128 * 4);
   Cursor shared{std::max({det.at, atomic.at, kl.at})};
   w.delta = shared.take(Tq * Hq * 4);
+  w.dout16 = shared.take(Tq * Hq * 128 * 2);
   w.kv_chunks = shared.take(chunks * 2 * 128 * 128 * 4);
   w.kv_rows = shared.take(Hkv * rows * 2 * 128 * 128 * 4);
   w.total = std::max({fwd.at, shared.at, int64_t(256)});

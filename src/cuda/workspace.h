@@ -15,6 +15,7 @@ struct WorkspaceLayout {
   int64_t part_lse = 0;  // f32 [16, Tq, Hq]: its natural-log LSE
   // backward
   int64_t delta = 0;     // f32 [Tq, Hq]: rowsum(dO * O)
+  int64_t dout16 = 0;    // bf16 [Tq, Hq, 128]: dO when it comes as f32
   int64_t dq_acc = 0;    // f32 [Tq, Hq, 128] (atomic mode)
   int64_t dq_part = 0;   // bf16 [16, Tq, Hq, 128] (deterministic mode; aliases part_o)
   int64_t dk_acc = 0;    // f32 [Tk, Hkv, 128]

@@ -1,0 +1,410 @@
+// Sparse attention backward, KV-outer over the plan's chunk list (work items of up to 128
+// queries of one (kv head, key block) row). The CTA keeps the block's K and V in shared
+// memory and dK, dV of its 128 keys in registers (warp w owns keys 16w..16w+15) while it
+// walks the chunk's queries 8 at a time (128 rows: warp w = query w, its 16 heads):
+//   S = Q K^T, P = exp(S * scale - lse), dP = dO V^T, dS = P (dP - D), D = rowsum(dO * O)
+//   dV += P^T dO, dK += scale dS^T Q, dQ (per edge) = scale dS K
+// Default mode: dQ, dK, dV go to fp32 accumulators with atomics. Deterministic mode: each
+// edge's dQ goes to its partial slot (bf16) and each chunk's dK, dV to its own fp32 slot;
+// fixed-order reductions finish both.
+#include "backend.h"
+#include "cuda/common.cuh"
+#include "cuda/device.cuh"
+#include "cuda/reduce.cuh"
+#include "cuda/workspace.h"
+
+namespace msa::cuda {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kTile = 128 * 256;
+constexpr int kSmemBytes = 6 * kTile + kWarps * 4 * 4;
+constexpr float kLog2e = 1.4426950408889634f;
+
+struct BackwardArgs {
+  const __nv_bfloat16* q;     // [Tq, Hq, 128]
+  const __nv_bfloat16* k;     // [Tk, Hkv, 128]
+  const __nv_bfloat16* v;     // [Tk, Hkv, 128]
+  const __nv_bfloat16* dout;  // [Tq, Hq, 128] bf16 (converted when given as f32)
+  const float* lse;           // [Tq, Hq]
+  const float* delta;         // [Tq, Hq]
+  const int32_t* chunks;      // [capacity, 6]
+  const int32_t* chunk_count; // [1]
+  const int32_t* q_indices;   // [Hkv, Tq * 16]
+  const int32_t* split_slot;  // [Hkv, Tq * 16]
+  const DocInfo* docs;
+  const int32_t* status;
+  float* dq_acc;              // [Tq, Hq, 128] (atomic mode)
+  float* dk_acc;              // [Tk, Hkv, 128]
+  float* dv_acc;
+  __nv_bfloat16* dq_part;     // [16, Tq, Hq, 128] (deterministic)
+  float* kv_chunks;           // [chunks, 2, 128, 128] (deterministic)
+  int64_t total_q;
+  int Hq, Hkv;
+  float scale, scale_log2;
+  bool deterministic;
+};
+
+__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+
+__global__ void __launch_bounds__(kThreads, 1) backward_chunks_kernel(const BackwardArgs a) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  if (a.status[0] != 0) return;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, t = lane & 3, r0 = lane >> 2;
+  const uint32_t ks = smem_addr(smem), vs = ks + kTile, qs = ks + 2 * kTile, dos = ks + 3 * kTile, ps = ks + 4 * kTile,
+                 dss = ks + 5 * kTile;
+  int* meta = reinterpret_cast<int*>(smem + 6 * kTile);
+  const int nchunks = *a.chunk_count;
+
+  for (int c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const int32_t* it = a.chunks + int64_t(c) * 6;
+    const int g = it[0], q_begin = it[2], q_count = it[3], b = it[4], j = it[5];
+    const DocInfo d = a.docs[b];
+    const int key0 = j * 128;
+    const int nkeys = min(128, d.k_len - key0);
+    const int64_t kv_off = (int64_t(d.k_start + key0) * a.Hkv + g) * 128;
+    const int64_t edge0 = int64_t(g) * a.total_q * 16 + q_begin;
+    auto load_sub = [&](int sub) {
+      const int qi = sub * 8 + warp;
+      const bool valid = qi < q_count;
+      int row = 0;
+      if (valid) {
+        const int ql = a.q_indices[edge0 + qi];
+        row = d.q_start + ql;
+        if (lane == 0) {
+          meta[4 * warp] = row;
+          meta[4 * warp + 1] = a.split_slot[edge0 + qi];
+          meta[4 * warp + 2] = d.k_len - d.q_len + ql - key0;
+        }
+      } else if (lane == 0) {
+        meta[4 * warp] = -1;
+      }
+      const int64_t off = (int64_t(row) * a.Hq + 16 * g) * 128;
+      load_tile_async(qs + warp * 16 * 256, a.q + off, 128, 16, valid ? 16 : 0, lane, 32);
+      load_tile_async(dos + warp * 16 * 256, a.dout + off, 128, 16, valid ? 16 : 0, lane, 32);
+    };
+    load_tile_async(ks, a.k + kv_off, int64_t(a.Hkv) * 128, 128, nkeys, tid, kThreads);
+    load_tile_async(vs, a.v + kv_off, int64_t(a.Hkv) * 128, 128, nkeys, tid, kThreads);
+    load_sub(0);
+    cp_async_commit();
+
+    float dk[16][4], dv[16][4];
+#pragma unroll
+    for (int i = 0; i < 16; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.f;
+
+    const int nsub = (q_count + 7) / 8;
+    for (int sub = 0; sub < nsub; ++sub) {
+      cp_async_wait<0>();
+      __syncthreads();
+      const int row = meta[4 * warp], slot = meta[4 * warp + 1], limit = meta[4 * warp + 2];
+      const uint32_t qw = qs + warp * 16 * 256, dow = dos + warp * 16 * 256;
+      const uint32_t pw = ps + warp * 16 * 256, dsw = dss + warp * 16 * 256;
+      if (row >= 0) {
+        const int64_t hrow = int64_t(row) * a.Hq + 16 * g + r0;
+        const float lse_a = a.lse[hrow], lse_b = a.lse[hrow + 8];
+        const float del_a = a.delta[hrow], del_b = a.delta[hrow + 8];
+        // S and P for the warp's 16 rows; P (bf16) goes to shared memory, where dS reads it back.
+        {
+          float s[16][4];
+#pragma unroll
+          for (int i = 0; i < 16; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+          for (int kt = 0; kt < 8; ++kt) {
+            uint32_t af[4];
+            load_a(af, qw, 0, kt * 16, lane);
+#pragma unroll
+            for (int np = 0; np < 8; ++np) {
+              uint32_t bf[4];
+              load_b_nk(bf, ks, np * 16, kt * 16, lane);
+              mma_bf16(s[2 * np], af, bf[0], bf[1]);
+              mma_bf16(s[2 * np + 1], af, bf[2], bf[3]);
+            }
+          }
+          const float la = lse_a * kLog2e, lb = lse_b * kLog2e;
+#pragma unroll
+          for (int nt = 0; nt < 16; ++nt) {
+            float pv[4];
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int col = nt * 8 + 2 * t + (e & 1);
+              const float l = e < 2 ? la : lb;
+              pv[e] = (col <= limit && l != -INFINITY) ? exp2f(s[nt][e] * a.scale_log2 - l) : 0.f;
+            }
+            st_shared_u32(pw + tile_offset(r0, nt) + 4 * t, pack_bf16(pv[0], pv[1]));
+            st_shared_u32(pw + tile_offset(r0 + 8, nt) + 4 * t, pack_bf16(pv[2], pv[3]));
+          }
+        }
+        // dP = dO V^T in two halves of 64 keys; dS = P (dP - D) to shared memory.
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          float dp[8][4];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.f;
+#pragma unroll
+          for (int kt = 0; kt < 8; ++kt) {
+            uint32_t af[4];
+            load_a(af, dow, 0, kt * 16, lane);
+#pragma unroll
+            for (int np = 0; np < 4; ++np) {
+              uint32_t bf[4];
+              load_b_nk(bf, vs, hh * 64 + np * 16, kt * 16, lane);
+              mma_bf16(dp[2 * np], af, bf[0], bf[1]);
+              mma_bf16(dp[2 * np + 1], af, bf[2], bf[3]);
+            }
+          }
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const int nt = hh * 8 + i;
+            // Each thread reads back the P values it wrote itself.
+            const uint32_t pr0 = ld_shared_u32(pw + tile_offset(r0, nt) + 4 * t);
+            const uint32_t pr1 = ld_shared_u32(pw + tile_offset(r0 + 8, nt) + 4 * t);
+            const __nv_bfloat162 pa = *reinterpret_cast<const __nv_bfloat162*>(&pr0);
+            const __nv_bfloat162 pb = *reinterpret_cast<const __nv_bfloat162*>(&pr1);
+            const float ds0 = __low2float(pa) * (dp[i][0] - del_a), ds1 = __high2float(pa) * (dp[i][1] - del_a);
+            const float ds2 = __low2float(pb) * (dp[i][2] - del_b), ds3 = __high2float(pb) * (dp[i][3] - del_b);
+            st_shared_u32(dsw + tile_offset(r0, nt) + 4 * t, pack_bf16(ds0, ds1));
+            st_shared_u32(dsw + tile_offset(r0 + 8, nt) + 4 * t, pack_bf16(ds2, ds3));
+          }
+        }
+      } else {
+        // An empty query slot contributes nothing: zero rows of P and dS.
+#pragma unroll
+        for (int nt = 0; nt < 16; ++nt) {
+          st_shared_u32(pw + tile_offset(r0, nt) + 4 * t, 0u);
+          st_shared_u32(pw + tile_offset(r0 + 8, nt) + 4 * t, 0u);
+          st_shared_u32(dsw + tile_offset(r0, nt) + 4 * t, 0u);
+          st_shared_u32(dsw + tile_offset(r0 + 8, nt) + 4 * t, 0u);
+        }
+      }
+      __syncthreads();
+      // dV += P^T dO and dK += dS^T Q over the 128 rows (warp w: keys 16w..16w+15).
+#pragma unroll
+      for (int kt = 0; kt < 8; ++kt) {
+        uint32_t pa[4], sa[4];
+        load_a_trans(pa, ps, warp * 16, kt * 16, lane);
+        load_a_trans(sa, dss, warp * 16, kt * 16, lane);
+#pragma unroll
+        for (int np = 0; np < 8; ++np) {
+          uint32_t bo[4], bq[4];
+          load_b_kn(bo, dos, kt * 16, np * 16, lane);
+          load_b_kn(bq, qs, kt * 16, np * 16, lane);
+          mma_bf16(dv[2 * np], pa, bo[0], bo[1]);
+          mma_bf16(dv[2 * np + 1], pa, bo[2], bo[3]);
+          mma_bf16(dk[2 * np], sa, bq[0], bq[1]);
+          mma_bf16(dk[2 * np + 1], sa, bq[2], bq[3]);
+        }
+      }
+      __syncthreads();
+      if (sub + 1 < nsub) load_sub(sub + 1);  // Q and dO tiles are free now
+      cp_async_commit();
+      // dQ of this warp's edge = scale dS K, in two halves of 64 dims.
+      if (row >= 0) {
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          float dq[8][4];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
+#pragma unroll
+          for (int kt = 0; kt < 8; ++kt) {
+            uint32_t af[4];
+            load_a(af, dsw, 0, kt * 16, lane);
+#pragma unroll
+            for (int np = 0; np < 4; ++np) {
+              uint32_t bf[4];
+              load_b_kn(bf, ks, kt * 16, hh * 64 + np * 16, lane);
+              mma_bf16(dq[2 * np], af, bf[0], bf[1]);
+              mma_bf16(dq[2 * np + 1], af, bf[2], bf[3]);
+            }
+          }
+          const int64_t hrow = int64_t(row) * a.Hq + 16 * g + r0;
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            const int dim = hh * 64 + i * 8 + 2 * t;
+            if (a.deterministic) {
+              __nv_bfloat16* dst = a.dq_part + (int64_t(slot) * a.total_q * a.Hq + hrow) * 128 + dim;
+              *reinterpret_cast<uint32_t*>(dst) = pack_bf16(dq[i][0] * a.scale, dq[i][1] * a.scale);
+              *reinterpret_cast<uint32_t*>(dst + 8 * 128) = pack_bf16(dq[i][2] * a.scale, dq[i][3] * a.scale);
+            } else {
+              atomicAdd(reinterpret_cast<float2*>(a.dq_acc + hrow * 128 + dim),
+                        make_float2(dq[i][0] * a.scale, dq[i][1] * a.scale));
+              atomicAdd(reinterpret_cast<float2*>(a.dq_acc + (hrow + 8) * 128 + dim),
+                        make_float2(dq[i][2] * a.scale, dq[i][3] * a.scale));
+            }
+          }
+        }
+      }
+    }
+    // Flush this chunk's dK, dV.
+    const int key_a = warp * 16 + r0, key_b = key_a + 8;
+#pragma unroll
+    for (int nt = 0; nt < 16; ++nt) {
+      const int dim = nt * 8 + 2 * t;
+      if (a.deterministic) {
+        float* base = a.kv_chunks + int64_t(c) * 2 * 128 * 128;
+        *reinterpret_cast<float2*>(base + key_a * 128 + dim) = make_float2(dk[nt][0] * a.scale, dk[nt][1] * a.scale);
+        *reinterpret_cast<float2*>(base + key_b * 128 + dim) = make_float2(dk[nt][2] * a.scale, dk[nt][3] * a.scale);
+        *reinterpret_cast<float2*>(base + 128 * 128 + key_a * 128 + dim) = make_float2(dv[nt][0], dv[nt][1]);
+        *reinterpret_cast<float2*>(base + 128 * 128 + key_b * 128 + dim) = make_float2(dv[nt][2], dv[nt][3]);
+      } else {
+        if (key_a < nkeys) {
+          const int64_t o = (int64_t(d.k_start + key0 + key_a) * a.Hkv + g) * 128 + dim;
+          atomicAdd(reinterpret_cast<float2*>(a.dk_acc + o), make_float2(dk[nt][0] * a.scale, dk[nt][1] * a.scale));
+          atomicAdd(reinterpret_cast<float2*>(a.dv_acc + o), make_float2(dv[nt][0], dv[nt][1]));
+        }
+        if (key_b < nkeys) {
+          const int64_t o = (int64_t(d.k_start + key0 + key_b) * a.Hkv + g) * 128 + dim;
+          atomicAdd(reinterpret_cast<float2*>(a.dk_acc + o), make_float2(dk[nt][2] * a.scale, dk[nt][3] * a.scale));
+          atomicAdd(reinterpret_cast<float2*>(a.dv_acc + o), make_float2(dv[nt][2], dv[nt][3]));
+        }
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// D = rowsum(dO * O) per (query, head), and dO as bf16 when it comes as f32. One warp per row.
+template <typename O, typename DO>
+__global__ void backward_prepare_kernel(const O* __restrict__ out, const DO* __restrict__ dout, int64_t rows,
+                                        float* __restrict__ delta, __nv_bfloat16* __restrict__ dout16) {
+  const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
+  const int lane = threadIdx.x & 31;
+  if (w >= rows) return;
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int64_t e = w * 128 + lane * 4 + i;
+    const float g = load_f(dout + e);
+    acc += g * load_f(out + e);
+    if (dout16) dout16[e] = __float2bfloat16_rn(g);
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, off);
+  if (lane == 0) delta[w] = acc;
+}
+
+template <typename O, typename DO>
+void launch_prepare(const AttentionBackwardParams& p, int64_t rows, float* delta, __nv_bfloat16* dout16, cudaStream_t s) {
+  backward_prepare_kernel<O, DO><<<grid_for(rows * 32, 256), 256, 0, s>>>(p.out.as<const O>(), p.dout.as<const DO>(), rows,
+                                                                        delta, dout16);
+  MSA_CUDA_CHECK_LAUNCH("backward_prepare_kernel");
+}
+
+template <typename Out>
+void launch_convert(const float* src, const TensorView& dst, const int32_t* status, cudaStream_t s) {
+  const int64_t n = dst.numel();
+  if (n == 0) return;
+  convert_kernel<Out><<<grid_for(n, 256), 256, 0, s>>>(src, dst.as<Out>(), n, status);
+  MSA_CUDA_CHECK_LAUNCH("convert_kernel");
+}
+
+void convert_out(const float* src, const TensorView& dst, const int32_t* status, cudaStream_t s) {
+  if (dst.dtype == DType::f32) launch_convert<float>(src, dst, status, s);
+  else launch_convert<__nv_bfloat16>(src, dst, status, s);
+}
+
+}  // namespace
+
+void sparse_attention_backward(const Topology& topo, const PackedLayout& L, const SparsePlan& plan,
+                               const AttentionBackwardParams& p, const RunOptions& opt) {
+  DeviceGuard guard(p.q.device.index);
+  const PlanState& st = plan_state(plan);
+  const cudaStream_t s = as_stream(opt);
+  const int64_t Tq = L.total_q(), Tk = L.total_k();
+  const int Hq = topo.num_q_heads, Hkv = topo.num_kv_heads;
+  const WorkspaceLayout w = workspace_layout(Tq, Tk, Hkv, plan.total_rows, st.chunk_capacity);
+  const int32_t* status = i32(plan.status);
+
+  BackwardArgs a{};
+  a.q = p.q.as<const __nv_bfloat16>();
+  a.k = p.k.as<const __nv_bfloat16>();
+  a.v = p.v.as<const __nv_bfloat16>();
+  a.lse = p.lse.as<const float>();
+  a.delta = ws<float>(st, w.delta);
+  a.chunks = i32(st.chunks);
+  a.chunk_count = i32(st.chunk_count);
+  a.q_indices = i32(plan.q_indices);
+  a.split_slot = i32(plan.split_slot);
+  a.docs = doc_ptr(st);
+  a.status = status;
+  a.dq_acc = ws<float>(st, w.dq_acc);
+  a.dk_acc = ws<float>(st, w.dk_acc);
+  a.dv_acc = ws<float>(st, w.dv_acc);
+  a.dq_part = ws<__nv_bfloat16>(st, w.dq_part);
+  a.kv_chunks = ws<float>(st, w.kv_chunks);
+  a.total_q = Tq;
+  a.Hq = Hq;
+  a.Hkv = Hkv;
+  a.scale = topo.attention_scale();
+  a.scale_log2 = a.scale * kLog2e;
+  a.deterministic = opt.deterministic;
+
+  // D and a bf16 dO.
+  __nv_bfloat16* dout16 = p.dout.dtype == DType::f32 ? ws<__nv_bfloat16>(st, w.dout16) : nullptr;
+  a.dout = dout16 ? dout16 : p.dout.as<const __nv_bfloat16>();
+  const int64_t rows = Tq * Hq;
+  float* delta = ws<float>(st, w.delta);
+  if (rows > 0) {
+    const bool of = p.out.dtype == DType::f32, df = p.dout.dtype == DType::f32;
+    if (of && df) launch_prepare<float, float>(p, rows, delta, dout16, s);
+    else if (of) launch_prepare<float, __nv_bfloat16>(p, rows, delta, dout16, s);
+    else if (df) launch_prepare<__nv_bfloat16, float>(p, rows, delta, dout16, s);
+    else launch_prepare<__nv_bfloat16, __nv_bfloat16>(p, rows, delta, dout16, s);
+  }
+  if (!opt.deterministic) {
+    MSA_CUDA_CHECK(cudaMemsetAsync(a.dq_acc, 0, size_t(Tq * Hq * 128 * 4), s));
+    MSA_CUDA_CHECK(cudaMemsetAsync(a.dk_acc, 0, size_t(Tk * Hkv * 128 * 4), s));
+    MSA_CUDA_CHECK(cudaMemsetAsync(a.dv_acc, 0, size_t(Tk * Hkv * 128 * 4), s));
+  }
+  if (st.chunk_capacity > 0) {
+    MSA_CUDA_CHECK(cudaFuncSetAttribute(backward_chunks_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    const int grid = int(std::min<int64_t>(st.chunk_capacity, sm_count()));
+    backward_chunks_kernel<<<grid, kThreads, kSmemBytes, s>>>(a);
+    MSA_CUDA_CHECK_LAUNCH("backward_chunks_kernel");
+  }
+  if (!opt.deterministic) {
+    convert_out(a.dq_acc, p.dq, status, s);
+    convert_out(a.dk_acc, p.dk, status, s);
+    convert_out(a.dv_acc, p.dv, status, s);
+    return;
+  }
+  // Deterministic: dQ slots in slot order; dK, dV chunks in chunk order, then documents in order.
+  const int64_t n = Tq * Hq * 128;
+  if (n > 0) {
+    if (p.dq.dtype == DType::f32)
+      sum_slots_kernel<__nv_bfloat16, float><<<grid_for(n, 256), 256, 0, s>>>(a.dq_part, i32(plan.split_counts), status,
+                                                                             Tq, Hq, Hkv, 16, 1.f, p.dq.as<float>());
+    else
+      sum_slots_kernel<__nv_bfloat16, __nv_bfloat16><<<grid_for(n, 256), 256, 0, s>>>(
+          a.dq_part, i32(plan.split_counts), status, Tq, Hq, Hkv, 16, 1.f, p.dq.as<__nv_bfloat16>());
+    MSA_CUDA_CHECK_LAUNCH("sum_slots_kernel");
+  }
+  float* kv_rows = ws<float>(st, w.kv_rows);
+  if (plan.total_rows > 0) {
+    sum_chunks_kernel<<<int(Hkv * plan.total_rows), 256, 0, s>>>(a.kv_chunks, i32(st.chunk_first), i32(st.chunk_nfull),
+                                                                 i32(st.chunk_tail), 2, kv_rows);
+    MSA_CUDA_CHECK_LAUNCH("sum_chunks_kernel");
+  }
+  if (Tk > 0) {
+    if (p.dk.dtype == DType::f32)
+      gather_keys_kernel<float><<<int(Tk), 128, 0, s>>>(kv_rows, doc_ptr(st), st.num_documents, i32(st.doc_row_base),
+                                                        i32(st.row_of), plan.total_rows, Hkv, 2, false, status,
+                                                        p.dk.as<float>(), p.dv.as<float>());
+    else
+      gather_keys_kernel<__nv_bfloat16><<<int(Tk), 128, 0, s>>>(
+          kv_rows, doc_ptr(st), st.num_documents, i32(st.doc_row_base), i32(st.row_of), plan.total_rows, Hkv, 2, false,
+          status, p.dk.as<__nv_bfloat16>(), p.dv.as<__nv_bfloat16>());
+    MSA_CUDA_CHECK_LAUNCH("gather_keys_kernel");
+  }
+}
+
+}  // namespace msa::cuda

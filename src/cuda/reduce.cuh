@@ -1,0 +1,101 @@
+// Fixed-order reductions and conversions that finish the backward and KL passes.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "cuda/common.cuh"
+#include "cuda/device.cuh"
+
+namespace msa::cuda {
+
+template <typename T> __device__ __forceinline__ float load_f(const T* p);
+template <> __device__ __forceinline__ float load_f<float>(const float* p) { return *p; }
+template <> __device__ __forceinline__ float load_f<__nv_bfloat16>(const __nv_bfloat16* p) { return __bfloat162float(*p); }
+template <typename T> __device__ __forceinline__ void store_f(T* p, float v);
+template <> __device__ __forceinline__ void store_f<float>(float* p, float v) { *p = v; }
+template <> __device__ __forceinline__ void store_f<__nv_bfloat16>(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+
+// dst[i] = src[i] (f32 accumulator to the output dtype); NaN everywhere on an invalid plan.
+template <typename Out>
+__global__ void convert_kernel(const float* __restrict__ src, Out* __restrict__ dst, int64_t n,
+                               const int32_t* __restrict__ status) {
+  const bool bad = status[0] != 0;
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += int64_t(gridDim.x) * blockDim.x)
+    store_f(dst + i, bad ? NAN : src[i]);
+}
+
+// out[r, h, :] = scale * sum over slots s < count(r, h) of parts[s, r, h, :], slot order.
+// count(r, h) = split_counts[r * Hkv + h / heads_per_count].
+template <typename Part, typename Out>
+__global__ void sum_slots_kernel(const Part* __restrict__ parts, const int32_t* __restrict__ split_counts,
+                                 const int32_t* __restrict__ status, int64_t rows, int H, int Hkv, int heads_per_count,
+                                 float scale, Out* __restrict__ out) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;  // (r, h, d)
+  if (i >= rows * H * 128) return;
+  const int64_t rh = i / 128;
+  const int64_t r = rh / H;
+  const int h = int(rh % H);
+  const int count = split_counts[r * Hkv + h / heads_per_count];
+  float acc = 0.f;
+  for (int s = 0; s < count; ++s) acc += load_f(parts + int64_t(s) * rows * H * 128 + i);
+  store_f(out + i, status[0] != 0 ? NAN : acc * scale);
+}
+
+// rows_out[h, row, m] = sum of the row's chunk partials chunks[c, m] in chunk order (its
+// full chunks, then its partial one). One CTA per (head, row).
+__global__ void sum_chunks_kernel(const float* __restrict__ chunks, const int32_t* __restrict__ first,
+                                  const int32_t* __restrict__ nfull, const int32_t* __restrict__ tail, int parts,
+                                  float* __restrict__ rows_out) {
+  const int64_t hr = blockIdx.x;
+  const int64_t elems = int64_t(parts) * 128 * 128;
+  const int32_t f = first[hr], n = nfull[hr], tl = tail[hr];
+  for (int64_t e = threadIdx.x * 4; e < elems; e += blockDim.x * 4) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    for (int c = 0; c < n; ++c) {
+      const float4 v = *reinterpret_cast<const float4*>(chunks + (int64_t(f) + c) * elems + e);
+      acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+    }
+    if (tl >= 0) {
+      const float4 v = *reinterpret_cast<const float4*>(chunks + int64_t(tl) * elems + e);
+      acc.x += v.x; acc.y += v.y; acc.z += v.z; acc.w += v.w;
+    }
+    *reinterpret_cast<float4*>(rows_out + hr * elems + e) = acc;
+  }
+}
+
+// Per key token t: sums the per-row results of every document whose key range holds t, in
+// document order (and over heads in order when `sum_heads`), into out ([Tk, Hout, 128] for
+// each part m: dk, dv, or d index_k).
+template <typename Out>
+__global__ void gather_keys_kernel(const float* __restrict__ row_sums, const DocInfo* __restrict__ docs, int B,
+                                   const int32_t* __restrict__ doc_row_base, const int32_t* __restrict__ row_of,
+                                   int64_t total_rows, int Hkv, int parts, bool sum_heads,
+                                   const int32_t* __restrict__ status, Out* __restrict__ out0, Out* __restrict__ out1) {
+  const int64_t tk = blockIdx.x;  // key token
+  const int d = threadIdx.x;      // 128 threads
+  const int Hout = sum_heads ? 1 : Hkv;
+  const int64_t elems = int64_t(parts) * 128 * 128;
+  for (int ho = 0; ho < Hout; ++ho) {
+    float acc[2] = {0.f, 0.f};
+    for (int b = 0; b < B; ++b) {
+      const DocInfo doc = docs[b];
+      if (tk < doc.k_start || tk >= int64_t(doc.k_start) + doc.k_len) continue;
+      const int64_t local = tk - doc.k_start;
+      const int64_t row = row_of[doc_row_base[b] + local / 128];
+      const int kk = int(local % 128);
+      const int h_begin = sum_heads ? 0 : ho, h_end = sum_heads ? Hkv : ho + 1;
+      for (int h = h_begin; h < h_end; ++h) {
+        const float* base = row_sums + (int64_t(h) * total_rows + row) * elems + kk * 128 + d;
+        acc[0] += base[0];
+        if (parts > 1) acc[1] += base[128 * 128];
+      }
+    }
+    const bool bad = status[0] != 0;
+    store_f(out0 + (tk * Hout + ho) * 128 + d, bad ? NAN : acc[0]);
+    if (parts > 1) store_f(out1 + (tk * Hout + ho) * 128 + d, bad ? NAN : acc[1]);
+  }
+}
+
+inline int grid_for(int64_t n, int threads) { return int(std::min<int64_t>(ceil_div(n, threads), int64_t(1) << 30)); }
+
+}  // namespace msa::cuda

@@ -1,0 +1,306 @@
+// Indexer: causal index scores on tensor cores, max-pooled per 128-key block, with a running
+// top list per (query, index head) kept in registers while the key blocks stream past; no
+// [T, blocks] score buffer exists.
+//
+// A CTA owns a tile of 128 (query, head) vectors: 128 / Hi consecutive queries of one
+// document x Hi index heads; warp w holds 16 consecutive queries of head w % Hi as the rows
+// of its m16 MMA tiles. Key blocks stream through two shared-memory stages (cp.async). In
+// every quad of lanes, lane 0 owns the list of row g and lane 1 the list of row g + 8.
+//
+// Selection (as the CPU backend): with nvis <= 16 visible blocks all of them ascending;
+// else the init blocks ascending, the best slots = 16 - init - local blocks of the rest by
+// (score desc, id asc), then the local blocks ascending (the query's own block last). A
+// block whose visible scores hold a NaN scores NaN and is never ranked.
+#include <algorithm>
+#include <numeric>
+
+#include "backend.h"
+#include "cuda/common.cuh"
+#include "cuda/device.cuh"
+
+namespace msa::cuda {
+namespace {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+constexpr int kTileBytes = 128 * 256;
+constexpr int kSmemBytes = 2 * kTileBytes + kWarps * 16 * 256;
+constexpr int kMaxDocs = 320;  // documents per launch (kernel parameter space)
+constexpr int kList = 15;      // ranked history slots at most (topk 16, local >= 1)
+
+struct IndexerDocs {
+  int32_t tile_begin[kMaxDocs + 1];  // prefix of tiles per document (launch-local)
+  int32_t q_start[kMaxDocs], q_len[kMaxDocs], k_start[kMaxDocs], k_len[kMaxDocs];
+  int32_t count;
+};
+
+struct IndexerArgs {
+  const __nv_bfloat16* iq;  // [Tq, Hi, 128]
+  const __nv_bfloat16* ik;  // [Tk, 1, 128]
+  int32_t* topk;            // [Hi, Tq, 16]
+  float* sel_lse;           // [Hi, Tq] or null
+  int64_t total_q;
+  int Hi;
+  int tile_queries;  // 128 / Hi
+  int init_blocks, local_blocks;
+  float scale;           // index score = scale * <qi, ki>
+  float lse_scale_log2;  // scale / temperature * log2(e)
+};
+
+__device__ __forceinline__ float nan_max(float m, float x) { return (x > m || x != x) ? x : m; }
+
+// Running log-sum-exp of block LSEs with the CPU's rules for NaN and infinities.
+struct LseAcc {
+  float m = -INFINITY, s = 0.f;
+  bool nan = false, pinf = false;
+  __device__ void add(float v) {
+    if (v != v) { nan = true; return; }
+    if (v == INFINITY) { pinf = true; return; }
+    if (v == -INFINITY) return;
+    if (v > m) { s = s * exp2f((m - v) * 1.4426950408889634f) + 1.f; m = v; }
+    else s += exp2f((v - m) * 1.4426950408889634f);
+  }
+  __device__ float result() const {
+    if (nan) return NAN;
+    if (pinf) return INFINITY;
+    if (m == -INFINITY) return -INFINITY;
+    return m + logf(s);
+  }
+};
+
+__global__ void __launch_bounds__(kThreads, 1) select_blocks_kernel(const IndexerArgs a, const IndexerDocs docs) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, t = lane & 3;
+  // Tile -> document (binary search over the launch's prefix), longest tiles of a document first.
+  const int tile_id = blockIdx.x;
+  int lo = 0, hi = docs.count;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (docs.tile_begin[mid] <= tile_id) lo = mid; else hi = mid - 1;
+  }
+  const int di = lo;
+  const int ntiles = docs.tile_begin[di + 1] - docs.tile_begin[di];
+  const int tile = ntiles - 1 - (tile_id - docs.tile_begin[di]);
+  const int q_start = docs.q_start[di], q_len = docs.q_len[di], k_start = docs.k_start[di], k_len = docs.k_len[di];
+  const int q0 = tile * a.tile_queries;
+  const int nq = min(a.tile_queries, q_len - q0);
+  const int pos0 = k_len - q_len + q0;
+  const int nblocks = (pos0 + nq - 1) / 128 + 1;
+
+  const int g = warp % a.Hi;
+  const int wq0 = 16 * (warp / a.Hi);
+  const int wrows = max(0, min(16, nq - wq0));
+  const int warp_nblk = wrows > 0 ? (pos0 + wq0 + wrows - 1) / 128 + 1 : 0;
+
+  const uint32_t kst = smem_addr(smem);
+  const uint32_t qs = kst + 2 * kTileBytes + warp * 16 * 256;
+  auto load_keys = [&](int j, int stage) {
+    load_tile_async(kst + stage * kTileBytes, a.ik + int64_t(k_start + j * 128) * 128, 128, 128, min(128, k_len - j * 128),
+                    tid, kThreads);
+  };
+  if (wrows > 0)
+    load_tile_async(qs, a.iq + (int64_t(q_start + q0 + wq0) * a.Hi + g) * 128, int64_t(a.Hi) * 128, 16, wrows, lane, 32);
+  load_keys(0, 0);
+  cp_async_commit();
+
+  // The row this lane owns (lanes 2, 3 of a quad shadow lanes 0, 1).
+  const int own_r = wq0 + (lane >> 2) + ((t & 1) << 3);
+  const bool own_valid = own_r < nq;
+  const int own_pos = pos0 + own_r;
+  const int nvis = own_pos / 128 + 1;
+  const bool all_visible = nvis <= 16;
+  const int local_begin = nvis - a.local_blocks;
+  const int init_end = min(a.init_blocks, local_begin);
+  const int slots = 16 - init_end - a.local_blocks;
+  const bool want_lse = a.sel_lse != nullptr;
+
+  float sc[kList], bl[kList];
+  int id[kList];
+#pragma unroll
+  for (int i = 0; i < kList; ++i) { sc[i] = -INFINITY; bl[i] = -INFINITY; id[i] = -1; }
+  int count = 0;
+  float threshold = -INFINITY;  // score of the last ranked entry once the list is full
+  LseAcc lse_acc;
+
+  const int pa = pos0 + wq0 + (lane >> 2), pb = pa + 8;
+  uint32_t af[8][4];
+  for (int j = 0; j < nblocks; ++j) {
+    if (j + 1 < nblocks) load_keys(j + 1, (j + 1) & 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    if (j == 0 && wrows > 0) {
+#pragma unroll
+      for (int kt = 0; kt < 8; ++kt) load_a(af[kt], qs, 0, kt * 16, lane);
+    }
+    if (j < warp_nblk) {
+      const uint32_t ks = kst + (j & 1) * kTileBytes;
+      float s[16][4];
+#pragma unroll
+      for (int i = 0; i < 16; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+      for (int kt = 0; kt < 8; ++kt) {
+#pragma unroll
+        for (int np = 0; np < 8; ++np) {
+          uint32_t bf[4];
+          load_b_nk(bf, ks, np * 16, kt * 16, lane);
+          mma_bf16(s[2 * np], af[kt], bf[0], bf[1]);
+          mma_bf16(s[2 * np + 1], af[kt], bf[2], bf[3]);
+        }
+      }
+      const int la = pa - j * 128, lb = pb - j * 128;  // last visible key of rows a, b
+      float ma = -INFINITY, mb = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < 16; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int c = nt * 8 + 2 * t + e;
+          if (c <= la) ma = nan_max(ma, s[nt][e]);
+          if (c <= lb) mb = nan_max(mb, s[nt][2 + e]);
+        }
+      }
+      ma = nan_max(ma, __shfl_xor_sync(0xffffffffu, ma, 1));
+      ma = nan_max(ma, __shfl_xor_sync(0xffffffffu, ma, 2));
+      mb = nan_max(mb, __shfl_xor_sync(0xffffffffu, mb, 1));
+      mb = nan_max(mb, __shfl_xor_sync(0xffffffffu, mb, 2));
+
+      const float own_m = (t & 1) ? mb : ma;
+      const bool visible = own_valid && own_pos >= j * 128;
+      const float score = a.scale * own_m;
+      const bool forced = all_visible || j < init_end || j >= local_begin;
+      const bool candidate = visible && !forced && score == score && (count < slots || score > threshold);
+      const bool need = want_lse && visible && (forced || candidate);
+      const int quad = lane & ~3;
+      const bool need_a = __shfl_sync(0xffffffffu, need, quad);
+      const bool need_b = __shfl_sync(0xffffffffu, need, quad + 1);
+      float block_lse = 0.f;
+      if (__any_sync(0xffffffffu, need_a || need_b)) {
+        const float ta = ma * a.lse_scale_log2, tb = mb * a.lse_scale_log2;
+        float sa = 0.f, sb = 0.f;
+        const bool fa = need_a && isfinite(ta), fb = need_b && isfinite(tb);
+#pragma unroll
+        for (int nt = 0; nt < 16; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int c = nt * 8 + 2 * t + e;
+            if (fa && c <= la) sa += exp2f(s[nt][e] * a.lse_scale_log2 - ta);
+            if (fb && c <= lb) sb += exp2f(s[nt][2 + e] * a.lse_scale_log2 - tb);
+          }
+        }
+        sa = warp_sum4(sa);
+        sb = warp_sum4(sb);
+        constexpr float kLn2 = 0.6931471805599453f;
+        const float top = (t & 1) ? tb : ta, sum = (t & 1) ? sb : sa;
+        block_lse = isfinite(top) ? (top + __log2f(sum)) * kLn2 : top * kLn2;
+      }
+      if (visible && forced && want_lse) lse_acc.add(block_lse);
+      if (candidate) {
+        // Insert behind every entry with a score >= this one (ids arrive ascending).
+        int pos = 0;
+#pragma unroll
+        for (int i = 0; i < kList; ++i) pos += (i < count && sc[i] >= score) ? 1 : 0;
+        const int limit = min(count + 1, slots);
+#pragma unroll
+        for (int i = kList - 1; i > 0; --i) {
+          if (i > pos && i < limit) { sc[i] = sc[i - 1]; id[i] = id[i - 1]; bl[i] = bl[i - 1]; }
+        }
+#pragma unroll
+        for (int i = 0; i < kList; ++i) {
+          if (i == pos) { sc[i] = score; id[i] = j; bl[i] = block_lse; }
+        }
+        count = limit;
+        if (count == slots) {
+#pragma unroll
+          for (int i = 0; i < kList; ++i)
+            if (i == slots - 1) threshold = sc[i];
+        }
+      }
+    }
+    __syncthreads();
+  }
+
+  if (t < 2 && own_valid) {
+    const int64_t row = q_start + q0 + own_r;
+    int out[16];
+    if (all_visible) {
+#pragma unroll
+      for (int s = 0; s < 16; ++s) out[s] = s < nvis ? s : -1;
+    } else {
+      const int n_init = init_end;
+#pragma unroll
+      for (int s = 0; s < 16; ++s) {
+        int v = -1;
+        if (s < n_init) {
+          v = s;
+        } else if (s < n_init + count) {
+#pragma unroll
+          for (int i = 0; i < kList; ++i)
+            if (i == s - n_init) v = id[i];
+        } else if (s < n_init + count + a.local_blocks) {
+          v = local_begin + (s - n_init - count);
+        }
+        out[s] = v;
+      }
+    }
+    int4* dst = reinterpret_cast<int4*>(a.topk + (int64_t(g) * a.total_q + row) * 16);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dst[i] = make_int4(out[4 * i], out[4 * i + 1], out[4 * i + 2], out[4 * i + 3]);
+    if (want_lse) {
+#pragma unroll
+      for (int i = 0; i < kList; ++i)
+        if (i < count) lse_acc.add(bl[i]);
+      a.sel_lse[int64_t(g) * a.total_q + row] = lse_acc.result();
+    }
+  }
+}
+
+}  // namespace
+
+void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBlocksParams& p, const RunOptions& opt) {
+  DeviceGuard guard(p.index_q.device.index);
+  const cudaStream_t s = as_stream(opt);
+  IndexerArgs a{};
+  a.iq = p.index_q.as<const __nv_bfloat16>();
+  a.ik = p.index_k.as<const __nv_bfloat16>();
+  a.topk = p.topk.as<int32_t>();
+  a.sel_lse = p.selected_lse.present() ? p.selected_lse.as<float>() : nullptr;
+  a.total_q = L.total_q();
+  a.Hi = topo.num_index_heads;
+  a.tile_queries = 128 / a.Hi;
+  a.init_blocks = topo.init_blocks;
+  a.local_blocks = topo.local_blocks;
+  a.scale = topo.indexer_scale();
+  a.lse_scale_log2 = topo.indexer_scale() / p.lse_temperature * 1.4426950408889634f;
+
+  // Longest documents first, so the heaviest tiles start early.
+  std::vector<int> order(size_t(L.num_documents()));
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int x, int y) { return L.document(x).k_len > L.document(y).k_len; });
+  MSA_CUDA_CHECK(cudaFuncSetAttribute(select_blocks_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  IndexerDocs docs{};
+  auto flush = [&] {
+    if (docs.count == 0) return;
+    const int tiles = docs.tile_begin[docs.count];
+    if (tiles > 0) {
+      select_blocks_kernel<<<tiles, kThreads, kSmemBytes, s>>>(a, docs);
+      MSA_CUDA_CHECK_LAUNCH("select_blocks_kernel");
+    }
+    docs = IndexerDocs{};
+  };
+  for (int b : order) {
+    const DocumentSpan& d = L.document(b);
+    if (d.q_len == 0) continue;
+    const int64_t tiles = ceil_div(d.q_len, a.tile_queries);
+    if (docs.count == kMaxDocs || int64_t(docs.tile_begin[docs.count]) + tiles > (int64_t(1) << 30)) flush();
+    const int i = docs.count++;
+    docs.q_start[i] = int32_t(d.q_start);
+    docs.q_len[i] = int32_t(d.q_len);
+    docs.k_start[i] = int32_t(d.k_start);
+    docs.k_len[i] = int32_t(d.k_len);
+    docs.tile_begin[i + 1] = docs.tile_begin[i] + int32_t(tiles);
+  }
+  flush();
+}
+
+}  // namespace msa::cuda
