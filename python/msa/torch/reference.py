@@ -79,9 +79,8 @@ class ReferenceSparseAttention(nn.Module):
         self.last_indexer_kl = None
         self.last_selection = None  # bool [B, Hi, S, NB]
 
-    def forward(self, hidden_states: Tensor, document_map=None, cu_seqlens=None, selection: Tensor = None) -> Tensor:
-        """selection (optional): bool [B, Hi, S, NB] of selected blocks to use instead of the
-        reference indexer (e.g. to compare attention under another implementation's choice)."""
+    def _inputs(self, hidden_states: Tensor, document_map, cu_seqlens):
+        """Projections, norms and RoPE, the visibility mask and the indexer's block scores."""
         b, s, _ = hidden_states.shape
         dev = hidden_states.device
         if document_map is None:
@@ -91,7 +90,6 @@ class ReferenceSparseAttention(nn.Module):
         pos = document_positions(doc)
         hq, hkv, hi, d = self.num_q_heads, self.num_kv_heads, self.num_index_heads, self.head_dim
 
-        # Projections, norms, RoPE (float32).
         x = hidden_states.float()
         q, k, v, iq, ik = (x @ self.qkv_proj.weight.float().T).split(self.split_sizes, dim=-1)
         cos, sin = rope_cos_sin(pos.reshape(-1), self.rotary_dim, self.rope_theta)
@@ -112,16 +110,31 @@ class ReferenceSparseAttention(nn.Module):
         visible = same_doc & causal                                          # [B, S(q), S(k)]
 
         # Indexer: token scores, max-pooled per document-local block of the key.
-        index_scale = self.index_head_dim ** -0.5
-        scores = torch.einsum("bqgd,bkd->bgqk", iq, ik[:, :, 0]) * index_scale  # [B, Hi, S, S]
+        scores = torch.einsum("bqgd,bkd->bgqk", iq, ik[:, :, 0]) * self.index_head_dim ** -0.5  # [B, Hi, S, S]
         key_block = pos // self.block_size                                   # [B, S]
         nb = (s + self.block_size - 1) // self.block_size + 1
         masked = torch.where(visible[:, None], scores, torch.full_like(scores, -torch.inf))
         block_scores = torch.full((b, hi, s, nb), -torch.inf, device=dev)
         block_scores = block_scores.scatter_reduce(-1, key_block[:, None, None, :].expand(b, hi, s, s), masked,
                                                    reduce="amax", include_self=True)
+        return dict(valid=valid, pos=pos, q=q, k=k, v=v, visible=visible, scores=scores, key_block=key_block,
+                    block_scores=block_scores)
+
+    def select(self, hidden_states: Tensor, document_map=None, cu_seqlens=None) -> Tensor:
+        """The reference indexer's selection alone: bool [B, Hi, S, NB]."""
+        t = self._inputs(hidden_states, document_map, cu_seqlens)
+        return select_blocks_dense(t["block_scores"], t["pos"], t["valid"], self.topk, self.block_size,
+                                   self.init_blocks, self.local_blocks)
+
+    def forward(self, hidden_states: Tensor, document_map=None, cu_seqlens=None, selection: Tensor = None) -> Tensor:
+        """selection (optional): bool [B, Hi, S, NB] of selected blocks to use instead of the
+        reference indexer (e.g. to compare attention under another implementation's choice)."""
+        t = self._inputs(hidden_states, document_map, cu_seqlens)
+        valid, visible, key_block = t["valid"], t["visible"], t["key_block"]
+        b, s = valid.shape
+        hq, hkv, hi, d = self.num_q_heads, self.num_kv_heads, self.num_index_heads, self.head_dim
         if selection is None:
-            selection = select_blocks_dense(block_scores, pos, valid, self.topk, self.block_size,
+            selection = select_blocks_dense(t["block_scores"], t["pos"], valid, self.topk, self.block_size,
                                             self.init_blocks, self.local_blocks)
         self.last_selection = selection
         # Token mask: key in a selected block of the query's group, and visible.
@@ -131,17 +144,16 @@ class ReferenceSparseAttention(nn.Module):
         # Main attention (GQA: query head h uses KV head h // 16).
         group = hq // hkv
         mask_h = mask.repeat_interleave(group, dim=1)                        # [B, Hq, S, S]
-        z = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(group, dim=2)) * d ** -0.5
+        z = torch.einsum("bqhd,bkhd->bhqk", t["q"], t["k"].repeat_interleave(group, dim=2)) * d ** -0.5
         z = z.masked_fill(~mask_h, -torch.inf)
         p = torch.softmax(z, dim=-1).nan_to_num(0.0)                         # rows without keys -> 0
-        out = torch.einsum("bhqk,bkhd->bqhd", p, v.repeat_interleave(group, dim=2))
+        out = torch.einsum("bhqk,bkhd->bqhd", p, t["v"].repeat_interleave(group, dim=2))
         y = out.reshape(b, s, hq * d) @ self.o_proj.weight.float().T
         y = torch.where(valid[..., None], y, torch.zeros_like(y))
 
         # Indexer KL(teacher || student) over the selected causal keys (teacher detached).
         teacher = p.detach().view(b, hkv, group, s, s).mean(dim=2)           # [B, Hi, S, S]
-        student_logits = scores.masked_fill(~mask, -torch.inf)
-        log_student = torch.log_softmax(student_logits, dim=-1)
+        log_student = torch.log_softmax(t["scores"].masked_fill(~mask, -torch.inf), dim=-1)
         terms = torch.where(mask & (teacher > 0), teacher * (torch.log(teacher.clamp_min(1e-30)) - log_student),
                             torch.zeros_like(teacher))
         self.last_indexer_kl = terms.sum() / (hi * valid.sum())
