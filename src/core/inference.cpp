@@ -90,13 +90,13 @@ bool shape_matches(const TensorView& t, const std::vector<int64_t>& dims) {
   return true;
 }
 
-// Cache tensors are described by their contract ("[physical_pages, Hkv, 128, 128]") because
+// Cache tensors are described by their contract ("shape [physical_pages, Hkv, 128, 128]") because
 // physical_pages is whatever the caller allocated.
 void check_cache_view(const TensorView& t, const char* name, DType dtype, const std::vector<int64_t>& dims,
                       const std::string& contract, Device dev) {
   detail::check_present(t, name);
   detail::check_dtype(t, name, {dtype});
-  require(shape_matches(t, dims), concat(name, " must have shape ", contract, ", got ", t.shape_string()));
+  require(shape_matches(t, dims), concat(name, " must have ", contract, ", got ", t.shape_string()));
   detail::check_device(t, name, dev);
   detail::check_inner_contiguous(t, name);
 }
@@ -110,13 +110,13 @@ int64_t check_cache(const PagedKvCache& c, int Hkv, Device dev) {
                                     ", got ", dtype_name(c.k.dtype)));
   const int64_t last = fp4 ? kHeadDim / 2 : kHeadDim;
   const std::string hkv = concat(" (Hkv = ", Hkv, ")");
-  const std::string contract = concat("[physical_pages, Hkv, 128, ", last, "]", hkv);
+  const std::string contract = concat("shape [physical_pages, Hkv, 128, ", last, "]", hkv);
   check_cache_view(c.k, "k_cache", want, {-1, Hkv, kPageSize, last}, contract, dev);
   const int64_t pages = c.k.shape[0];
   check_cache_view(c.v, "v_cache", want, {pages, Hkv, kPageSize, last},
                    concat("the same shape as k_cache ", c.k.shape_string()), dev);
   if (fp4) {
-    const std::string sf = concat("[physical_pages, Hkv, 128, 8] = [", pages, ", ", Hkv, ", 128, 8]");
+    const std::string sf = concat("shape [physical_pages, Hkv, 128, 8] = [", pages, ", ", Hkv, ", 128, 8]");
     check_cache_view(c.k_block_scale, "k_block_scale", DType::f8e4m3, {pages, Hkv, kPageSize, 8}, sf, dev);
     check_cache_view(c.v_block_scale, "v_block_scale", DType::f8e4m3, {pages, Hkv, kPageSize, 8}, sf, dev);
   } else {
@@ -155,7 +155,7 @@ int64_t check_cache(const PagedKvCache& c, int Hkv, Device dev) {
 void check_index_cache(const TensorView& c, Device dev) {
   detail::check_present(c, "index_k_cache");
   detail::check_dtype(c, "index_k_cache", {DType::bf16, DType::f8e4m3});
-  check_cache_view(c, "index_k_cache", c.dtype, {-1, kPageSize, kHeadDim}, "[physical_pages, 128, 128]", dev);
+  check_cache_view(c, "index_k_cache", c.dtype, {-1, kPageSize, kHeadDim}, "shape [physical_pages, 128, 128]", dev);
 }
 
 void check_plan_device(const InferencePlan& plan, Device dev, const char* op) {
@@ -284,10 +284,10 @@ void insert_kv(const KvInsertParams& p, const RunOptions& opt) {
 void nvfp4_to_fp8(const Nvfp4ToFp8Params& p, const RunOptions& opt) {
   detail::check_present(p.packed, "packed");
   const Device dev = p.packed.device;
-  check_cache_view(p.packed, "packed", DType::u8, {-1, -1, kPageSize, 64}, "[physical_pages, Hkv, 128, 64]", dev);
+  check_cache_view(p.packed, "packed", DType::u8, {-1, -1, kPageSize, 64}, "shape [physical_pages, Hkv, 128, 64]", dev);
   const int64_t pages = p.packed.shape[0], Hkv = p.packed.shape[1];
   check_cache_view(p.block_scale, "block_scale", DType::f8e4m3, {pages, Hkv, kPageSize, 8},
-                   concat("[physical_pages, Hkv, 128, 8] = [", pages, ", ", Hkv, ", 128, 8]"), dev);
+                   concat("shape [physical_pages, Hkv, 128, 8] = [", pages, ", ", Hkv, ", 128, 8]"), dev);
   int64_t n = pages;
   if (p.page_ids.present()) {
     require(p.page_ids.rank == 1, concat("page_ids must have shape [n], got ", p.page_ids.shape_string()));
@@ -303,7 +303,7 @@ void nvfp4_to_fp8(const Nvfp4ToFp8Params& p, const RunOptions& opt) {
     }
   }
   check_cache_view(p.out, "out", DType::f8e4m3, {n, Hkv, kPageSize, kHeadDim},
-                   concat(p.page_ids.present() ? "[n, Hkv, 128, 128] = [" : "[physical_pages, Hkv, 128, 128] = [", n,
+                   concat(p.page_ids.present() ? "shape [n, Hkv, 128, 128] = [" : "shape [physical_pages, Hkv, 128, 128] = [", n,
                           ", ", Hkv, ", 128, 128]"),
                    dev);
   const bool cuda_inputs = on_cuda(p.packed);
