@@ -21,3 +21,7 @@ def bf16_input(rng, *shape, scale=0.2):
 @pytest.fixture
 def rng():
     return np.random.default_rng(1234)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs an NVIDIA GPU, PyTorch with CUDA and msa built with CUDA")

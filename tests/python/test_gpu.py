@@ -1,0 +1,159 @@
+"""CUDA tests: the same ops on CUDA tensors, checked against the CPU backend. They run on a
+machine with an NVIDIA GPU, PyTorch with CUDA and msa built with its CUDA backend."""
+
+import pytest
+
+torch = pytest.importorskip("torch", reason="PyTorch is not installed: msa.torch tests skipped")
+
+import msa  # noqa: E402
+import msa.torch as mt  # noqa: E402
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device visible to PyTorch"),
+    pytest.mark.skipif(not msa.built_with_cuda(), reason="msa was built without its CUDA backend"),
+]
+
+CU = [0, 300, 2500, 2800]  # the second document spans 18 blocks: the indexer ranks history
+
+
+def rel_err(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+def cosine(a, b):
+    return torch.nn.functional.cosine_similarity(a.double().flatten(), b.double().flatten(), dim=0).item()
+
+
+def inputs(hkv=4, seed=0, cu=CU):
+    g = torch.Generator().manual_seed(seed)
+    t = cu[-1]
+    make = lambda *shape: (torch.randn(*shape, generator=g) * 0.2).to(torch.bfloat16)  # noqa: E731
+    return dict(q=make(t, 16 * hkv, 128), k=make(t, hkv, 128), v=make(t, hkv, 128), iq=make(t, hkv, 128),
+                ik=make(t, 1, 128), cu=torch.tensor(cu, dtype=torch.int32))
+
+
+def to_cuda(x):
+    return {k: (v if k == "cu" else v.cuda()) for k, v in x.items()}
+
+
+def selection_agrees(a, b, min_agreement=0.99):
+    """Same count per row and (almost) the same sets: near-ties may swap."""
+    va, vb = a >= 0, b >= 0
+    assert torch.equal(va.sum(-1), vb.sum(-1))
+    assert torch.equal(a.gather(-1, (va.sum(-1, keepdim=True) - 1).clamp_min(0)),
+                       b.gather(-1, (vb.sum(-1, keepdim=True) - 1).clamp_min(0)))  # local block last
+    same = (a.sort(-1).values == b.sort(-1).values).all(-1).float().mean().item()
+    assert same >= min_agreement, same
+
+
+def test_select_blocks_matches_cpu():
+    x = inputs()
+    xc = to_cuda(x)
+    cpu_topk, cpu_lse = mt.select_blocks(x["iq"], x["ik"], x["cu"], return_lse=True)
+    gpu_topk, gpu_lse = mt.select_blocks(xc["iq"], xc["ik"], xc["cu"], return_lse=True)
+    assert gpu_topk.is_cuda
+    selection_agrees(gpu_topk.cpu(), cpu_topk)
+    assert rel_err(gpu_lse.cpu(), cpu_lse) < 1e-3
+
+
+def test_attention_forward_backward_match_cpu():
+    x = inputs()
+    topk = mt.select_blocks(x["iq"], x["ik"], x["cu"])
+    results = {}
+    for device in ("cpu", "cuda"):
+        t = {k: (v if k == "cu" else v.to(device).requires_grad_(k in "qkv")) for k, v in x.items()}
+        out = mt.sparse_attention(t["q"], t["k"], t["v"], topk.to(device), t["cu"])
+        out.float().square().sum().backward()
+        results[device] = [out, t["q"].grad, t["k"].grad, t["v"].grad]
+    for name, a, b in zip(("out", "dq", "dk", "dv"), results["cuda"], results["cpu"]):
+        assert rel_err(a.cpu(), b) < 1e-2, name
+        assert cosine(a.cpu(), b) > 0.999, name
+
+
+def test_indexer_kl_gradient_matches_cpu():
+    x = inputs()
+    topk, index_lse = mt.select_blocks(x["iq"], x["ik"], x["cu"], return_lse=True)  # one selection for both
+    grads = {}
+    for device in ("cpu", "cuda"):
+        t = {k: (v if k == "cu" else v.to(device)) for k, v in x.items()}
+        iq, ik = t["iq"].clone().requires_grad_(), t["ik"].clone().requires_grad_()
+        _, lse = mt.sparse_attention(t["q"], t["k"], t["v"], topk.to(device), t["cu"], return_lse=True)
+        mt.indexer_kl_loss(t["q"], t["k"], lse, iq, ik, index_lse.to(device), topk.to(device), t["cu"]).backward()
+        grads[device] = (iq.grad, ik.grad)
+    for a, b in zip(grads["cuda"], grads["cpu"]):
+        assert cosine(a.cpu(), b) > 0.99
+
+
+def test_layer_matches_cpu():
+    torch.manual_seed(0)
+    layer = mt.MiniMaxM3SparseAttention(hidden_size=512, num_q_heads=32, num_kv_heads=2)
+    layer.reset_parameters()
+    x = torch.randn(2, 600, 512)
+    doc = torch.tensor([[1] * 400 + [0] * 200, [2] * 300 + [3] * 300], dtype=torch.int32)
+    with torch.no_grad():
+        want = layer(x, document_map=doc)
+        got = layer.cuda()(x.cuda(), document_map=doc)
+    assert rel_err(got.cpu(), want) < 1e-2
+
+
+def test_side_stream_is_honoured():
+    x = to_cuda(inputs())
+    topk = mt.select_blocks(x["iq"], x["ik"], x["cu"])
+    want = mt.sparse_attention(x["q"], x["k"], x["v"], topk, x["cu"])
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        got = mt.sparse_attention(x["q"], x["k"], x["v"], topk, x["cu"])
+    torch.cuda.current_stream().wait_stream(stream)
+    assert rel_err(got, want) < 1e-6
+
+
+def test_cuda_graph_capture_and_replay():
+    x = to_cuda(inputs(seed=1))
+    static = {k: v.clone() for k, v in x.items() if k != "cu"}
+    cu = x["cu"]
+
+    def step():
+        topk = mt.select_blocks(static["iq"], static["ik"], cu)
+        return mt.sparse_attention(static["q"], static["k"], static["v"], topk, cu)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    fresh = to_cuda(inputs(seed=2))
+    for k in static:
+        static[k].copy_(fresh[k])
+    graph.replay()
+    torch.cuda.synchronize()
+    topk = mt.select_blocks(fresh["iq"], fresh["ik"], cu)
+    want = mt.sparse_attention(fresh["q"], fresh["k"], fresh["v"], topk, cu)
+    assert rel_err(out, want) < 1e-6
+
+
+def test_deterministic_mode_is_bitwise_reproducible_on_cuda():
+    x = to_cuda(inputs())
+    runs = []
+    for _ in range(2):
+        t = {k: (v if k == "cu" else v.clone().requires_grad_(k in "qkv")) for k, v in x.items()}
+        topk = mt.select_blocks(t["iq"], t["ik"], t["cu"], deterministic=True)
+        out = mt.sparse_attention(t["q"], t["k"], t["v"], topk, t["cu"], deterministic=True)
+        out.float().square().sum().backward()
+        runs.append([topk, out, t["q"].grad, t["k"].grad, t["v"].grad])
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_functional_api_on_cuda_tensors():
+    # The functional API accepts CUDA tensors too (outputs on the same device).
+    x = to_cuda(inputs())
+    layout = msa.make_layout(CU)
+    topk, lse, plan = msa.prepare(x["iq"], x["ik"], layout)
+    assert topk.is_cuda and plan.device.startswith("cuda")
+    out, lse = msa.forward(x["q"], x["k"], x["v"], topk, layout, plan)
+    assert out.is_cuda and out.dtype == torch.float32
