@@ -186,7 +186,8 @@ int run_bench(const BenchOptions& o) {
       invalid("--json " + o.json_path + ": the folder " + parent.string() + " does not exist");
   }
 
-  const Topology topo = Topology::minimax_m3();
+  if (o.tp != 1 && o.tp != 2 && o.tp != 4) invalid("--tp must be 1, 2 or 4, got " + std::to_string(o.tp));
+  const Topology topo = Topology::minimax_m3(o.tp);
   RunOptions run;
   run.num_threads = o.threads;
   std::cout << "msa " << kVersion << " bench on " << to_string(dev) << ": one document per size, " << topo.num_q_heads
@@ -208,7 +209,7 @@ int run_bench(const BenchOptions& o) {
   table.print(std::cout);
   std::cout << "\nRates are on useful FLOPs: forward = 4 * Hq * 128 * attended (query, key) pairs, backward = 2.5 x forward,"
                " indexer = 2 * 128 * Hi * causal pairs. 'union of 8': mean number of distinct blocks selected by 8"
-               " consecutive tokens of one index head. 'buffers': inputs, outputs and plan (backend workspaces not included).\n";
+               " consecutive tokens of one index head (windows past the first 16 blocks). 'buffers': inputs, outputs and plan (backend workspaces not included).\n";
 
   if (!o.json_path.empty()) {
     nlohmann::json j = {{"msa_version", kVersion},

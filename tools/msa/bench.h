@@ -14,6 +14,7 @@ struct BenchOptions {
   std::string selection = "both";  // independent | coherent | both
   int repeats = 0;                // timed runs per step after one warm-up; 0: 3 on the CPU, 10 on a GPU
   int threads = 0;
+  int tp = 1;                     // MiniMax-M3 tensor-parallel shard: Hq = 64 / tp, Hkv = Hi = 4 / tp
   uint64_t seed = 1;
   std::string json_path;          // also write the table as JSON here
 };

@@ -92,6 +92,9 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--repeats", bench.repeats, "Timed runs per step (default 3 on the CPU, 10 on a GPU)")
       ->check(CLI::Range(1, 100000));
   bench_cmd->add_option("--threads", bench.threads, "CPU threads (0 = all)")->check(CLI::Range(0, 4096));
+  bench_cmd->add_option("--tp", bench.tp, "Tensor-parallel shard of MiniMax-M3: 1 (64/4 heads), 2 (32/2) or 4 (16/1)")
+      ->check(CLI::IsMember({1, 2, 4}))
+      ->capture_default_str();
   bench_cmd->add_option("--seed", bench.seed, "Random seed")->capture_default_str();
 
   // ---- make-case, inspect, compare ----
@@ -123,6 +126,21 @@ int main(int argc, char** argv) {
     for (CLI::App* sub : app.get_subcommands()) return "msa " + sub->get_name();
     return "msa";
   };
+
+  // Name an unknown command instead of only saying that one is required.
+  if (argc > 1 && argv[1][0] != '-') {
+    const std::string first = argv[1];
+    std::string known;
+    bool found = false;
+    for (CLI::App* sub : app.get_subcommands({})) {
+      found = found || sub->get_name() == first;
+      known += (known.empty() ? "" : ", ") + sub->get_name();
+    }
+    if (!found) {
+      std::cerr << "msa: error: unknown command '" << first << "' (commands: " << known << ")\nRun 'msa --help' for usage.\n";
+      return kExitUsage;
+    }
+  }
 
   try {
     app.parse(argc, argv);

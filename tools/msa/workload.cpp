@@ -202,25 +202,34 @@ double indexer_flops(const Topology& topo, const PackedLayout& layout) {
 double mean_union_of_8(const Topology& topo, const PackedLayout& layout, const int32_t* topk) {
   const int H = topo.num_index_heads, K = topo.topk;
   const int64_t total_q = layout.total_q();
-  double sum = 0;
-  int64_t windows = 0;
   std::vector<int32_t> ids;
+  // [0]: windows of ranking tokens only, [1]: all windows.
+  double sum[2] = {0, 0};
+  int64_t windows[2] = {0, 0};
   for (const DocumentSpan& d : layout.documents()) {
     for (int64_t w = 0; w < d.q_len; w += 8) {
+      const int64_t end = std::min(d.q_len, w + 8);
+      const bool ranking = end - w == 8 && (d.k_len - d.q_len + w) / topo.block_size + 1 > K;
       for (int g = 0; g < H; ++g) {
         ids.clear();
-        for (int64_t i = w; i < std::min(d.q_len, w + 8); ++i) {
+        for (int64_t i = w; i < end; ++i) {
           const int32_t* r = topk + (int64_t(g) * total_q + d.q_start + i) * K;
           for (int s = 0; s < K; ++s)
             if (r[s] >= 0) ids.push_back(r[s]);
         }
         std::sort(ids.begin(), ids.end());
-        sum += double(std::unique(ids.begin(), ids.end()) - ids.begin());
-        ++windows;
+        const double size = double(std::unique(ids.begin(), ids.end()) - ids.begin());
+        sum[1] += size;
+        ++windows[1];
+        if (ranking) {
+          sum[0] += size;
+          ++windows[0];
+        }
       }
     }
   }
-  return windows ? sum / double(windows) : 0.0;
+  if (windows[0]) return sum[0] / double(windows[0]);
+  return windows[1] ? sum[1] / double(windows[1]) : 0.0;
 }
 
 // ---------------------------------------------------------------------------------------

@@ -58,8 +58,10 @@ inline double backward_flops(const Topology& topo, const PackedLayout& layout, c
 double indexer_flops(const Topology& topo, const PackedLayout& layout);
 
 // Mean over (index head, window) of the number of distinct blocks selected by 8 consecutive
-// query tokens of one document (windows aligned to the document start; a partial last
-// window counts too).
+// query tokens of one document (windows aligned to the document start). Only windows whose
+// every token ranks history blocks (sees more than topk blocks) count, so that short
+// prefixes, where every block is selected anyway, do not hide the pattern; when there is no
+// such window, every full or partial window counts.
 double mean_union_of_8(const Topology& topo, const PackedLayout& layout, const int32_t* topk);
 
 // ---- formatting and timing ----

@@ -1,0 +1,216 @@
+#!/usr/bin/env bash
+# Command-line tests of the msa tool, one case per ctest test:
+#   cli_test.sh <case> <path to msa> <work dir>
+# Each case runs msa, checks the exit code and that the output names the problem.
+set -uo pipefail
+case_name=$1
+msa=$2
+work=$3
+rm -rf "$work" && mkdir -p "$work" && cd "$work" || exit 1
+
+fail() {
+  echo "FAIL [$case_name]: $*" >&2
+  exit 1
+}
+
+# expect <exit code> <extended regex or ''> <command...>: runs the command, checks its exit
+# code and that stdout+stderr match the pattern.
+expect() {
+  local want=$1 pattern=$2
+  shift 2
+  "$@" >stdout.txt 2>stderr.txt
+  local rc=$?
+  cat stdout.txt stderr.txt >all.txt
+  if [[ $rc != "$want" ]]; then
+    cat all.txt >&2
+    fail "'$*' exited with $rc, expected $want"
+  fi
+  if [[ -n $pattern ]] && ! grep -qE -- "$pattern" all.txt; then
+    cat all.txt >&2
+    fail "'$*': output does not match /$pattern/"
+  fi
+  echo "ok: $* -> $rc"
+}
+
+# Writes a raw safetensors file: <file> <header json> <data bytes>; the 8-byte length is the
+# header's length unless a 4th argument gives another one.
+raw_file() {
+  local file=$1 header=$2 data_bytes=$3 length=${4:-${#2}}
+  local i escaped=""
+  for ((i = 0; i < 8; i++)); do escaped+=$(printf '\\x%02x' $(((length >> (8 * i)) & 255))); done
+  printf "$escaped" >"$file"
+  printf '%s' "$header" >>"$file"
+  head -c "$data_bytes" /dev/zero >>"$file"
+}
+
+# Runs `msa run-case` on an input that must be rejected: exit 2, the message, no output file.
+reject() {
+  local input=$1 pattern=$2
+  shift 2
+  rm -f rejected.safetensors
+  expect 2 "$pattern" "$msa" run-case --in "$input" --out rejected.safetensors --backend cpu "$@"
+  grep -q '^msa run-case: error: ' stderr.txt || fail "message lacks the 'msa run-case: error:' prefix"
+  [[ ! -e rejected.safetensors ]] || fail "an output file was written for a rejected input"
+  ls | grep -q '\.tmp\.' && fail "a temporary file was left behind"
+  return 0
+}
+
+case $case_name in
+help)
+  expect 0 'Subcommands:' "$msa" --help
+  cp all.txt top_help.txt
+  for cmd in demo run-case bench make-case inspect compare; do
+    grep -q "^  $cmd " top_help.txt || fail "--help does not list $cmd"
+    expect 0 "Usage: .*msa $cmd" "$msa" $cmd --help
+  done
+  ;;
+
+version)
+  expect 0 '^msa [0-9]+\.[0-9]+\.[0-9]+' "$msa" --version
+  ;;
+
+usage_errors)
+  expect 2 'msa: error: .*subcommand' "$msa"
+  expect 2 "msa: error: unknown command 'nosuch'" "$msa" nosuch
+  expect 2 'msa demo: error: .*--bogus' "$msa" demo --bogus
+  expect 2 "msa demo: error: .*--backend" "$msa" demo --backend tpu
+  expect 2 "msa demo: error: .*--tokens" "$msa" demo --tokens 0
+  expect 2 "msa demo: error: .*--docs.*'0'" "$msa" demo --docs 5,0
+  expect 2 "msa demo: error: .*--tp" "$msa" demo --tp 3
+  expect 2 "msa run-case: error: .*--in" "$msa" run-case --out x.safetensors
+  expect 2 "msa bench: error: .*--sizes.*'12x'" "$msa" bench --sizes 12x
+  expect 2 "msa bench: error: .*--selection" "$msa" bench --selection some
+  expect 2 "msa bench: error: .*no/such/dir" "$msa" bench --json no/such/dir/b.json --sizes 128
+  expect 2 "msa inspect: error: .*absent.safetensors: no such file" "$msa" inspect absent.safetensors
+  if "$msa" --version | grep -q '(CPU backend)'; then
+    expect 2 "msa demo: error: .*without the CUDA backend" "$msa" demo --backend cuda
+  fi
+  ;;
+
+demo_small)
+  expect 0 '^PASS' "$msa" demo --tokens 2048 --backend cpu
+  grep -q 'select_blocks' stdout.txt && grep -q 'kl_backward' stdout.txt || fail "the table lacks steps"
+  grep -q '1/5 select_blocks' stderr.txt || fail "no progress lines on stderr"
+  ;;
+
+demo_ranked)
+  # A document longer than 16 blocks so that the indexer ranks history blocks.
+  expect 0 '^PASS' "$msa" demo --docs 2300,129,1 --tp 4 --samples 16 --backend cpu
+  ;;
+
+run_case_round_trip)
+  expect 0 'wrote' "$msa" make-case --out in.safetensors --docs 300,129,1 --tp 4 --grad --seed 3
+  expect 0 '' "$msa" run-case --in in.safetensors --out out.safetensors --backend cpu
+  expect 0 '' "$msa" inspect out.safetensors
+  for want in 'topk +I32 +\[1, 430, 16\]' 'out +BF16 +\[430, 16, 128\]' 'lse +F32 +\[430, 16\]' \
+              'indexer_lse +F32 +\[1, 430\]' 'dq +F32 +\[430, 16, 128\]' 'dk +F32 +\[430, 1, 128\]' \
+              'dv +F32 +\[430, 1, 128\]' 'dindex_q +F32 +\[430, 1, 128\]' 'dindex_k +F32 +\[430, 1, 128\]'; do
+    grep -qE "^$want " stdout.txt || { cat stdout.txt; fail "output lacks /$want/"; }
+  done
+  grep -qE ' 0$' <(grep -E '^(out|lse|dq|dk|dv) ' stdout.txt) || fail "non-finite values in the outputs"
+  # Reproducible: a second (deterministic) run gives the same bytes.
+  expect 0 '' "$msa" run-case --in in.safetensors --out again.safetensors --backend cpu --deterministic --threads 1
+  expect 0 '^same' "$msa" compare out.safetensors again.safetensors --tensors topk,out,lse,indexer_lse,dq,dk,dv,dindex_q,dindex_k
+  # Without grad_out only the forward outputs are written.
+  expect 0 '' "$msa" make-case --out fwd.safetensors --docs 200 --tp 4
+  expect 0 '' "$msa" run-case --in fwd.safetensors --out fwd_out.safetensors --backend cpu
+  expect 0 '' "$msa" inspect fwd_out.safetensors
+  grep -qE '^dq ' stdout.txt && fail "gradients written without grad_out"
+  grep -qE '^out ' stdout.txt || fail "no out tensor"
+  ;;
+
+run_case_given_topk)
+  # Feeding the selection back in (indexer skipped) reproduces the outputs; the indexer LSE is
+  # then computed on the host in float64 and agrees with the library's within fp32 rounding.
+  expect 0 '' "$msa" make-case --out in1.safetensors --docs 2300,1 --tp 4 --grad --seed 5
+  expect 0 '' "$msa" run-case --in in1.safetensors --out out1.safetensors --backend cpu
+  expect 0 '' "$msa" make-case --out in2.safetensors --docs 2300,1 --tp 4 --grad --seed 5 --topk-from out1.safetensors
+  expect 0 '' "$msa" run-case --in in2.safetensors --out out2.safetensors --backend cpu
+  expect 0 '^same' "$msa" compare out2.safetensors out1.safetensors --tensors topk,out,lse,dq,dk,dv
+  expect 0 '^same' "$msa" compare out2.safetensors out1.safetensors --tensors indexer_lse --atol 1e-5 --rtol 1e-5
+  expect 0 '^same' "$msa" compare out2.safetensors out1.safetensors --tensors dindex_q,dindex_k --atol 1e-9 --rtol 1e-2
+  ;;
+
+run_case_bad_inputs)
+  reject nope.safetensors 'nope.safetensors: no such file'
+  "$msa" make-case --out no_v.safetensors --tp 4 --omit v >/dev/null || fail "make-case"
+  reject no_v.safetensors "has no tensor 'v'"
+  "$msa" make-case --out q_f32.safetensors --tp 4 --retype q=F32 >/dev/null || fail "make-case"
+  reject q_f32.safetensors "tensor 'q' must be BF16"
+  "$msa" make-case --out cu_u8.safetensors --tp 4 --retype cu_seqlens_q=U8 >/dev/null || fail "make-case"
+  reject cu_u8.safetensors "tensor 'cu_seqlens_q' must be I32"
+  "$msa" make-case --out meta.safetensors --tp 4 --set bogus=1 >/dev/null || fail "make-case"
+  reject meta.safetensors "unknown __metadata__ key 'bogus'"
+  "$msa" make-case --out init.safetensors --tp 4 --set init_blocks=two >/dev/null || fail "make-case"
+  reject init.safetensors "'init_blocks' must be an integer, got 'two'"
+  "$msa" make-case --out temp.safetensors --tp 4 --set lse_temperature=0 >/dev/null || fail "make-case"
+  reject temp.safetensors "'lse_temperature' must be finite and > 0"
+  "$msa" make-case --out mode.safetensors --tp 4 --set mode=train >/dev/null || fail "make-case"
+  reject mode.safetensors "'mode' must be training, decode or paged_prefill, got 'train'"
+  "$msa" make-case --out forcing.safetensors --tp 4 --set init_blocks=10 --set local_blocks=10 >/dev/null || fail "make-case"
+  reject forcing.safetensors "init_blocks \+ local_blocks must be <= topk"
+  # A selection made for other documents.
+  "$msa" make-case --out small.safetensors --docs 200 --tp 4 >/dev/null || fail "make-case"
+  "$msa" run-case --in small.safetensors --out small_out.safetensors --backend cpu >/dev/null || fail "run-case"
+  "$msa" make-case --out mismatch.safetensors --docs 300 --tp 4 --topk-from small_out.safetensors >/dev/null || fail "make-case"
+  reject mismatch.safetensors "topk must have shape \[Hi=1, total_q=300, 16\], got I32 \[1, 200, 16\]"
+  # Writing into a folder that does not exist.
+  expect 2 "msa run-case: error: .*no/such/dir/out.safetensors" \
+    "$msa" run-case --in small.safetensors --out no/such/dir/out.safetensors --backend cpu
+  ;;
+
+run_case_bad_files)
+  raw_file tiny.safetensors '' 0 3
+  head -c 5 tiny.safetensors >short.safetensors
+  reject short.safetensors 'truncated: 5 bytes'
+  raw_file length.safetensors '{}' 0 4096
+  reject length.safetensors 'truncated: header length is 4096 bytes'
+  raw_file json.safetensors '{"q": {"dtype": "BF16",' 0
+  reject json.safetensors 'header is not valid JSON'
+  raw_file range.safetensors '{"q":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}}' 2
+  reject range.safetensors "tensor 'q' data_offsets \[0, 4\] run past the end"
+  raw_file overlap.safetensors \
+    '{"a":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},"b":{"dtype":"U8","shape":[4],"data_offsets":[2,6]}}' 6
+  reject overlap.safetensors "tensor 'b' data_offsets \[2, 6\] overlap tensor 'a'"
+  raw_file dtype.safetensors '{"q":{"dtype":"F64","shape":[1],"data_offsets":[0,8]}}' 8
+  reject dtype.safetensors "unsupported dtype 'F64'"
+  raw_file unknown.safetensors '{"bogus":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}}' 1
+  reject unknown.safetensors "unknown tensor 'bogus'"
+  "$msa" make-case --out good.safetensors --tp 4 >/dev/null || fail "make-case"
+  head -c $(($(stat -c %s good.safetensors) - 100)) good.safetensors >cut.safetensors
+  reject cut.safetensors 'truncated'
+  mkdir folder.safetensors
+  reject folder.safetensors 'is a directory'
+  ;;
+
+inference_modes)
+  # The inference modes are dispatched to their own reader; whatever this build supports, an
+  # input without the inference tensors is refused with a message, not a crash.
+  for mode in decode paged_prefill; do
+    "$msa" make-case --out $mode.safetensors --tp 4 --set mode=$mode >/dev/null || fail "make-case"
+    rm -f rejected.safetensors
+    "$msa" run-case --in $mode.safetensors --out rejected.safetensors --backend cpu >stdout.txt 2>stderr.txt
+    rc=$?
+    cat stdout.txt stderr.txt
+    [[ $rc == 2 ]] || fail "mode $mode exited with $rc, expected 2"
+    grep -q '^msa run-case: error: ' stderr.txt || fail "mode $mode: no error message"
+    [[ ! -e rejected.safetensors ]] || fail "mode $mode wrote an output"
+  done
+  ;;
+
+bench_small)
+  expect 0 'coherent' "$msa" bench --sizes 4096 --tp 4 --repeats 1 --backend cpu --json bench.json
+  grep -q 'independent' stdout.txt || fail "no independent row"
+  grep -q '"mean_union_of_8"' bench.json || fail "bench.json lacks the union size"
+  # Coherent index vectors must make neighbouring tokens agree far more than independent ones.
+  read -r independent coherent < <(grep '"mean_union_of_8"' bench.json | sed 's/.*: *\([0-9.]*\).*/\1/' | tr '\n' ' ')
+  awk -v i="$independent" -v c="$coherent" 'BEGIN { exit !(i > 20 && c < 0.8 * i) }' ||
+    fail "union of 8: independent $independent, coherent $coherent"
+  echo "union of 8: independent $independent, coherent $coherent"
+  ;;
+
+*)
+  fail "unknown case"
+  ;;
+esac
+echo "PASS [$case_name]"
