@@ -30,13 +30,14 @@ struct GroupState {
     std::fill(acc, acc + int64_t(heads) * kHeadDim, 0.0f);
   }
 
-  // Adds n keys (rows of k, v) to every head. z: [n] scratch.
-  void add(const float* q, const float* k, const float* v, int n, float scale, float* z) {
+  // Adds n keys (kt: transposed keys [128, 128], v: rows [n, 128]) to every head.
+  // z: [128] scratch.
+  void add(const float* q, const float* kt, const float* v, int n, float scale, float* z) {
     for (int h = 0; h < heads; ++h) {
-      const float* qh = q + int64_t(h) * kHeadDim;
+      page_scores(q + int64_t(h) * kHeadDim, kt, n, z);
       float block_max = kNegInf;
       for (int t = 0; t < n; ++t) {
-        z[t] = dot128(qh, k + int64_t(t) * kHeadDim) * scale;
+        z[t] *= scale;
         block_max = std::max(block_max, z[t]);
       }
       const float new_m = std::max(m[h], block_max);
@@ -92,7 +93,7 @@ void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, c
 #pragma omp parallel num_threads(threads)
   {
     float* q = static_cast<float*>(plan.scratch_f32.data()) + omp_get_thread_num() * f32_stride;  // [G, 128]
-    float* k = q + int64_t(G) * kHeadDim;              // [128, 128]
+    float* k = q + int64_t(G) * kHeadDim;              // [128 dims, 128 tokens] (transposed)
     float* v = k + int64_t(kPageSize) * kHeadDim;      // [128, 128]
     float* out_row = v + int64_t(kPageSize) * kHeadDim;  // [128]
     float* z = out_row + kHeadDim;                     // [128]
@@ -115,7 +116,7 @@ void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, c
           // Keys t <= pos of the page; only the local page is cut short.
           const int n = int(std::min<int64_t>(kPageSize, int64_t(pos) - int64_t(id) * kPageSize + 1));
           if (n <= 0) continue;
-          k_reader.rows(pages[id], g, 0, n, k);
+          k_reader.rows_transposed(pages[id], g, n, k, out_row);
           v_reader.rows(pages[id], g, 0, n, v);
           state.add(q, k, v, n, scale, z);
         }

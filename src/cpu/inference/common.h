@@ -49,6 +49,18 @@ class KvRowReader {
     for (int t = 0; t < n; ++t) row(page, head, offset + t, dst + int64_t(t) * kHeadDim);
   }
 
+  // Rows [0, n) of (physical page, kv head) transposed into dst [128 dims, 128 tokens];
+  // tokens n..127 are zero. `tmp` holds one row.
+  void rows_transposed(int64_t page, int head, int n, float* dst, float* tmp) const {
+    for (int t = 0; t < n; ++t) {
+      row(page, head, t, tmp);
+      for (int d = 0; d < kHeadDim; ++d) dst[d * kPageSize + t] = tmp[d];
+    }
+    if (n < kPageSize)
+      for (int d = 0; d < kHeadDim; ++d)
+        for (int t = n; t < kPageSize; ++t) dst[d * kPageSize + t] = 0.0f;
+  }
+
   void row(int64_t page, int head, int offset, float* dst) const {
     const int64_t base = offset4(data_, page, head, offset);
     switch (format_) {
@@ -87,21 +99,28 @@ class KvRowReader {
   int64_t token_scale_stride_ = 0;
 };
 
-// Index-K cache rows [offset, offset + n) of a physical page into dst [n, 128] fp32.
-inline void index_key_rows(const TensorView& cache, int64_t page, int offset, int n, float* dst) {
-  for (int t = 0; t < n; ++t) {
-    const int64_t base = page * cache.stride[0] + int64_t(offset + t) * cache.stride[1];
-    load_row(cache, base, kHeadDim, dst + int64_t(t) * kHeadDim);
+// All 128 index-K rows of a physical page transposed into dst [128 dims, 128 tokens] fp32.
+inline void index_keys_transposed(const TensorView& cache, int64_t page, float* dst, float* tmp) {
+  for (int t = 0; t < kPageSize; ++t) {
+    load_row(cache, page * cache.stride[0] + int64_t(t) * cache.stride[1], kHeadDim, tmp);
+    for (int d = 0; d < kHeadDim; ++d) dst[d * kPageSize + t] = tmp[d];
   }
 }
 
-// Sum of a[i] * b[i] over 128 elements, fp32, in eight interleaved partial sums (a fixed
-// order that compilers vectorise).
-inline float dot128(const float* a, const float* b) {
-  float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (int i = 0; i < kHeadDim; i += 8)
-    for (int j = 0; j < 8; ++j) acc[j] += a[i + j] * b[i + j];
-  return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+// out[t] = sum over d of q[d] * kt[d * 128 + t] for the first `n` tokens rounded up to 32
+// (fp32, d ascending). kt is a transposed page, so the token loop is contiguous and the 32
+// partial sums stay in vector registers.
+inline void page_scores(const float* q, const float* kt, int n, float* out) {
+  constexpr int kChunk = 32;
+  for (int t0 = 0; t0 < n; t0 += kChunk) {
+    float acc[kChunk] = {};
+    for (int d = 0; d < kHeadDim; ++d) {
+      const float qd = q[d];
+      const float* k = kt + d * kPageSize + t0;
+      for (int j = 0; j < kChunk; ++j) acc[j] += qd * k[j];
+    }
+    for (int j = 0; j < kChunk; ++j) out[t0 + j] = acc[j];
+  }
 }
 
 // Gemma RMSNorm + partial NeoX RoPE of one 128-row (spec §2.1), bf16-rounded results:

@@ -21,7 +21,7 @@ int64_t pages_in_use(const InferencePlan& plan) { return std::max<int64_t>(1, (p
 
 int64_t inference_scratch_f32(const InferencePlan& plan) {
   const int64_t Hi = plan.topo.num_index_heads;
-  const int64_t indexer = kRowTile * Hi * kHeadDim + kPageSize * kHeadDim + kRowTile * Hi * pages_in_use(plan);
+  const int64_t indexer = kRowTile * Hi * kHeadDim + kPageSize * kHeadDim + kPageSize + kRowTile * Hi * pages_in_use(plan);
   // Attention: q of one group, K and V of one page, the scores and accumulators of 16 heads.
   const int64_t group = plan.topo.group_size();
   const int64_t attention = group * kHeadDim * 3 + 2 * kPageSize * kHeadDim + group * kPageSize + 2 * group;
@@ -45,8 +45,9 @@ void paged_indexer(const InferencePlan& plan, const PagedIndexerParams& p, const
   {
     const int tid = omp_get_thread_num();
     float* q = static_cast<float*>(plan.scratch_f32.data()) + tid * f32_stride;  // [R, Hi, 128]
-    float* keys = q + kRowTile * Hi * kHeadDim;                                   // [128, 128]
-    float* scores = keys + kPageSize * kHeadDim;                                  // [R, Hi, npages]
+    float* keys = q + kRowTile * Hi * kHeadDim;                                   // [128 dims, 128 tokens]
+    float* token_scores = keys + kPageSize * kHeadDim;                            // [128]
+    float* scores = token_scores + kPageSize;                                     // [R, Hi, npages]
     int32_t* order = static_cast<int32_t*>(plan.scratch_i32.data()) + tid * i32_stride;  // [npages]
 
 #pragma omp for schedule(dynamic)
@@ -66,17 +67,16 @@ void paged_indexer(const InferencePlan& plan, const PagedIndexerParams& p, const
                    q + ((r - r0) * Hi + g) * kHeadDim);
       }
       for (int64_t j = 0; j < scored_pages; ++j) {
-        index_key_rows(p.index_k_cache, pages[j], 0, kPageSize, keys);
+        index_keys_transposed(p.index_k_cache, pages[j], keys, token_scores);
         for (int64_t r = r0; r < r1; ++r) {
           if (positions[r] < 0 || j >= positions[r] / kPageSize || positions[r] / kPageSize + 1 <= kTopk) continue;
           for (int g = 0; g < Hi; ++g) {
-            const float* qr = q + ((r - r0) * Hi + g) * kHeadDim;
+            page_scores(q + ((r - r0) * Hi + g) * kHeadDim, keys, kPageSize, token_scores);
             float best = -std::numeric_limits<float>::infinity();
             bool nan = false;
             for (int t = 0; t < kPageSize; ++t) {
-              const float s = dot128(qr, keys + t * kHeadDim);
-              if (std::isnan(s)) nan = true;
-              else best = std::max(best, s);
+              nan |= std::isnan(token_scores[t]);
+              best = std::max(best, token_scores[t]);
             }
             scores[((r - r0) * Hi + g) * npages + j] = nan ? std::numeric_limits<float>::quiet_NaN() : best;
           }
