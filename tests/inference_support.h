@@ -240,8 +240,9 @@ inline PagedOutputs run_paged(const PagedCase& c, int num_kv_splits = 0, DType o
 }
 
 // The library's selection against the oracle (spec §7): valid prefix, local page last, the
-// exact set, or, at near-ties, history pages whose oracle score reaches the oracle's
-// threshold within `tie`; ranked history in non-increasing score order.
+// exact set, or, at near-ties, ranked pages whose oracle score reaches the oracle's threshold
+// within `tie`; forced init pages first and forced local pages last, both ascending; ranked
+// pages in non-increasing score order.
 inline void check_paged_selection(const PagedCase& c, const HostTensor& topk, double tie = 1e-4) {
   const auto req = c.requests();
   const auto iq = c.index_q.floats();
@@ -268,10 +269,14 @@ inline void check_paged_selection(const PagedCase& c, const HostTensor& topk, do
       if (!want.ranked) {
         err << "set differs from all visible pages; ";
       } else {
-        for (int s = 0; s + 1 < count; ++s) {
+        // Forced pages must all be there; the others must reach the ranking threshold.
+        for (int32_t id : want.ids)
+          if ((id < want.init_end || id >= want.local_begin) && !got_set.count(id)) err << "forced page " << id << " missing; ";
+        for (int s = 0; s < count; ++s) {
           const int32_t id = got[s];
-          if (id < 0 || id >= want.local) {
-            err << "history id " << id << " is not before the local page; ";
+          if (id < want.init_end || id >= want.local_begin) continue;
+          if (id < 0 || id > want.local) {
+            err << "id " << id << " is not visible; ";
           } else if (!(want.page_scores[size_t(id)] >= want.threshold - tie)) {
             err << "page " << id << " (score " << want.page_scores[size_t(id)] << ") is below the threshold "
                 << want.threshold << "; ";
@@ -279,13 +284,26 @@ inline void check_paged_selection(const PagedCase& c, const HostTensor& topk, do
         }
       }
     }
-    if (want.ranked)
-      for (int s = 0; s + 2 < count; ++s) {
-        const int32_t a = got[s], b = got[s + 1];
-        if (a >= 0 && b >= 0 && a < want.local && b < want.local &&
-            want.page_scores[size_t(a)] < want.page_scores[size_t(b)] - tie)
-          err << "history not in score order at slot " << s << "; ";
+    if (want.ranked && count == int(want.ids.size())) {
+      // Order: forced init pages ascending first, forced local pages ascending last.
+      const int64_t locals = want.local - want.local_begin + 1;
+      for (int64_t j = 0; j < want.init_end; ++j)
+        if (got[j] != j) err << "slot " << j << " = " << got[j] << ", want init page " << j << "; ";
+      for (int64_t j = 0; j < locals; ++j)
+        if (got[count - locals + j] != want.local_begin + j)
+          err << "slot " << count - locals + j << " = " << got[count - locals + j] << ", want local page " << want.local_begin + j << "; ";
+    }
+    if (want.ranked) {
+      // Ranked pages come in non-increasing score order.
+      int32_t previous = -1;
+      for (int s = 0; s < count; ++s) {
+        const int32_t id = got[s];
+        if (id < want.init_end || id >= want.local_begin || id < 0) continue;
+        if (previous >= 0 && want.page_scores[size_t(previous)] < want.page_scores[size_t(id)] - tie)
+          err << "ranked pages not in score order at slot " << s << "; ";
+        previous = id;
       }
+    }
     problems[size_t(n)] = err.str();
   }
   int reported = 0;

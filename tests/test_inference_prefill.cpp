@@ -105,9 +105,26 @@ TEST(InferencePrefill, CallerSelectionInAnyOrder) {
   check_paged_attention(c, o);
 }
 
-TEST(InferencePrefill, EmptyPrefixEqualsPackedTrainingForward) {
+TEST(InferencePrefill, ForcedInitAndLocalPages) {
   MSA_SEEDED_RNG(rng);
-  const Topology topo = kSmall;
+  Topology topo = kSmall;
+  topo.init_blocks = 2;
+  topo.local_blocks = 3;
+  const PagedCase c = make_prefill_case(rng, topo, {2100, 300}, {60, 5});
+  const PagedOutputs o = run_paged(c);
+  check_paged_selection(c, o.topk);
+  check_paged_attention(c, o, paged_sample_rows(c, 4, rng));
+}
+
+class InferencePrefillTraining : public ::testing::TestWithParam<int> {};
+
+TEST_P(InferencePrefillTraining, EmptyPrefixEqualsPackedTrainingForward) {
+  MSA_SEEDED_RNG(rng);
+  Topology topo = kSmall;
+  if (GetParam() == 1) {  // other forcing settings select the same way as select_blocks
+    topo.init_blocks = 1;
+    topo.local_blocks = 2;
+  }
   const std::vector<int64_t> lengths = {2300, 90, 129};
   const PackedLayout L = layout_of(lengths);
   const int64_t T = L.total_q();
@@ -155,6 +172,11 @@ TEST(InferencePrefill, EmptyPrefixEqualsPackedTrainingForward) {
   const auto lse = o.lse.floats(), want_lse = lse_train.floats();
   expect_close("lse vs training", lse, std::vector<double>(want_lse.begin(), want_lse.end()), 1e-5, 1e-5);
 }
+
+INSTANTIATE_TEST_SUITE_P(Forcing, InferencePrefillTraining, ::testing::Values(0, 1),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return std::string(info.param == 0 ? "m3" : "init1_local2");
+                         });
 
 }  // namespace
 }  // namespace msa::test

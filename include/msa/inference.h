@@ -210,7 +210,9 @@ InferencePlan plan_decode(const Topology& topo, const DecodeMetadata& meta,
 // nvis = local + 1) and index head g: if nvis <= 16, top-k = 0, 1, ..., local; otherwise the
 // 15 history pages b < local with the largest S(b) = max over the page's tokens of
 // <index_q[r, g], index_k(t)> (fp32 accumulation), ties to the lower page id, pages with a NaN
-// score never chosen, in that order, then the local page.
+// score never chosen, in that order, then the local page. With other topo.init_blocks I /
+// local_blocks L: init pages [0, I) ascending, ranked pages, the L last visible pages
+// ascending (own page last), like select_blocks.
 struct PagedIndexerParams {
   TensorView index_q;        // [total_q, Hi, 128] bf16 or fp8_e4m3 (any row strides, last dim contiguous)
   TensorView index_k_cache;  // [physical_pages, 128, 128] bf16 or fp8_e4m3 (any strides, last dim contiguous)

@@ -218,16 +218,24 @@ PagedRowSelection paged_select_row(const Topology& topo, const PagedRequests& re
     }
     sel.page_scores.push_back(nan ? std::numeric_limits<double>::quiet_NaN() : best);
   }
+  // Spec §3.2 forcing: init range [0, min(I, nvis)), local range [max(0, nvis - L), nvis);
+  // a page in both counts as local. The rest of the 16 slots take the best other pages.
+  const int64_t local_begin = std::max<int64_t>(0, nvis - topo.local_blocks);
+  const int64_t init_end = std::min<int64_t>(std::min<int64_t>(topo.init_blocks, nvis), local_begin);
   std::vector<int32_t> order;
-  for (int64_t j = 0; j < sel.local; ++j)
+  for (int64_t j = init_end; j < local_begin; ++j)
     if (!std::isnan(sel.page_scores[size_t(j)])) order.push_back(int32_t(j));
   const auto& s = sel.page_scores;
   std::sort(order.begin(), order.end(),
             [&](int32_t a, int32_t c) { return s[size_t(a)] > s[size_t(c)] || (s[size_t(a)] == s[size_t(c)] && a < c); });
-  const size_t keep = std::min(order.size(), size_t(topo.topk - 1));
+  const size_t slots = size_t(topo.topk) - size_t(init_end) - size_t(nvis - local_begin);
+  const size_t keep = std::min(order.size(), slots);
+  sel.init_end = init_end;
+  sel.local_begin = local_begin;
+  for (int64_t j = 0; j < init_end; ++j) sel.ids.push_back(int32_t(j));
   for (size_t i = 0; i < keep; ++i) sel.ids.push_back(order[i]);
   sel.threshold = keep > 0 ? s[size_t(order[keep - 1])] : kNegInf;
-  sel.ids.push_back(int32_t(sel.local));
+  for (int64_t j = local_begin; j < nvis; ++j) sel.ids.push_back(int32_t(j));
   return sel;
 }
 

@@ -70,8 +70,11 @@ struct PagedRowSelection {
   int64_t position = 0;
   int64_t local = -1;                // pos / 128 (-1 when pos < 0)
   std::vector<double> page_scores;   // [local] history page scores: index_scale * max_t <qi, ki(t)>; NaN if any is NaN
-  std::vector<int32_t> ids;          // valid prefix: ranked history (score desc, id asc), then local
-  double threshold = 0;              // score of the last ranked history page (when ranking happened)
+  std::vector<int32_t> ids;          // valid prefix: init pages, ranked pages (score desc, id asc),
+                                     //   local pages ascending (own page last)
+  double threshold = 0;              // score of the last ranked page (when ranking happened)
+  int64_t init_end = 0;              // forced init pages [0, init_end) (when ranking happened)
+  int64_t local_begin = 0;           // forced local pages [local_begin, local] (when ranking happened)
   bool ranked = false;               // nvis > 16
 };
 

@@ -91,15 +91,21 @@ void paged_indexer(const InferencePlan& plan, const PagedIndexerParams& p, const
           if (local >= 0 && local + 1 <= kTopk) {
             for (int64_t j = 0; j <= local; ++j) out[n++] = int32_t(j);
           } else if (local >= 0) {
+            // Forced init pages [0, init_end), forced local pages [local_begin, nvis) with the
+            // row's own page last; the remaining slots go to the best pages in between.
+            const int64_t nvis = local + 1;
+            const int64_t local_begin = std::max<int64_t>(0, nvis - plan.topo.local_blocks);
+            const int64_t init_end = std::min<int64_t>(plan.topo.init_blocks, local_begin);
             const float* s = scores + ((r - r0) * Hi + g) * npages;
             int count = 0;
-            for (int64_t j = 0; j < local; ++j)
+            for (int64_t j = init_end; j < local_begin; ++j)
               if (!std::isnan(s[j])) order[count++] = int32_t(j);
-            const int keep = std::min(count, kTopk - 1);
+            const int keep = std::min<int>(count, kTopk - int(init_end) - int(nvis - local_begin));
             std::partial_sort(order, order + keep, order + count,
                               [s](int32_t a, int32_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); });
+            for (int64_t j = 0; j < init_end; ++j) out[n++] = int32_t(j);
             for (int i = 0; i < keep; ++i) out[n++] = order[i];
-            out[n++] = int32_t(local);
+            for (int64_t j = local_begin; j < nvis; ++j) out[n++] = int32_t(j);
           }
           for (; n < kTopk; ++n) out[n] = -1;
         }
