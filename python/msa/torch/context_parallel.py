@@ -37,6 +37,7 @@ Collectives run inside autograd, so every rank must call forward and backward th
 of times in the same order (as with any context-parallel layer).
 """
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import List, Optional, Sequence, Tuple
 
@@ -312,25 +313,31 @@ def _all_gather(shard_rows: Tensor, world_size: int, group) -> Tensor:
         out.copy_(shard_rows)
         return out
     src, dst = shard_rows.view(torch.uint8), out.view(torch.uint8)
-    if _backend(group) == "gloo":
-        # gloo has no all_gather_into_tensor in every build: gather into views of the output.
-        dist.all_gather(list(dst.chunk(world_size)), src, group=group)
-    else:
+    try:
         dist.all_gather_into_tensor(dst, src, group=group)
+    except (RuntimeError, NotImplementedError):
+        if _backend(group) != "gloo":
+            raise
+        # Older gloo builds have no all_gather_into_tensor: gather into views of the output.
+        dist.all_gather(list(dst.chunk(world_size)), src, group=group)
     return out
 
 
 def _reduce_scatter(full: Tensor, world_size: int, group) -> Tensor:
-    """Sum over ranks of full [world_size * capacity, F] (float32), keeping this rank's slice."""
+    """Sum over ranks of full [world_size * capacity, F] (float32), keeping this rank's rows."""
     if world_size == 1:
         return full
     rows = full.shape[0] // world_size
-    if _backend(group) == "gloo":
+    out = full.new_empty((rows, *full.shape[1:]))
+    try:
+        dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group)
+    except (RuntimeError, NotImplementedError):
+        if _backend(group) != "gloo":
+            raise
+        # Older gloo builds have no reduce-scatter: all-reduce and keep this rank's rows.
         dist.all_reduce(full, op=dist.ReduceOp.SUM, group=group)
         rank = dist.get_rank(group)
-        return full[rank * rows:(rank + 1) * rows]
-    out = full.new_empty((rows, *full.shape[1:]))
-    dist.reduce_scatter_tensor(out, full, op=dist.ReduceOp.SUM, group=group)
+        out = full[rank * rows:(rank + 1) * rows]
     return out
 
 
@@ -343,6 +350,11 @@ def _dl(t: Tensor):
 def _run(t: Tensor, deterministic: bool):
     stream = torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
     return dict(deterministic=bool(deterministic), num_threads=0, stream=stream)
+
+
+def _device_of(t: Tensor):
+    """Makes t's CUDA device current (the library launches on the tensors' device)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 def _feature_widths(k: Tensor, v: Tensor, index_k: Tensor):
@@ -382,7 +394,7 @@ class _ContextParallelAttention(torch.autograd.Function):
         index_lse = q.new_empty((hkv, total_q) if train_indexer else (0,), dtype=torch.float32)
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         lse = q.new_empty((total_q, hq), dtype=torch.float32)
-        with _ops._on_device(q):
+        with _device_of(q):
             qc, iqc = q.contiguous(), index_q.contiguous()
             _native.select_blocks(topo, layout, _dl(iqc), _dl(ik_buf), _dl(topk),
                                   _dl(index_lse) if train_indexer else None, 1.0, **run)
@@ -418,7 +430,7 @@ class _ContextParallelAttention(torch.autograd.Function):
                                    zip(partial.split(widths, dim=1), (k, v, index_k)))
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         diq = None
-        with _ops._on_device(q):
+        with _device_of(q):
             # The library writes strided float32 outputs only if they are contiguous: use scratch.
             dk32 = torch.empty(k_buf.shape, dtype=torch.float32, device=q.device)
             dv32 = torch.empty(v_buf.shape, dtype=torch.float32, device=q.device)
