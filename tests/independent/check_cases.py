@@ -1,0 +1,284 @@
+#!/usr/bin/env python3
+"""Independent check of `msa run-case` against a float64 NumPy oracle written from the spec.
+
+Generates the cases of make_cases.py, runs `msa run-case` on each and compares:
+  * selection: the output contract (valid prefix, unique ids, count = min(16, visible blocks),
+    the query's own block last) and the sets against the oracle's, where a different set is
+    accepted only at near-ties (every block msa ranked scores within 5e-3 of the oracle's
+    weakest ranked block); the ties case must match exactly;
+  * with msa's own selection (spec §7): out (atol = rtol = 3e-2, and relative L2 <= 1e-2),
+    LSE (1e-3), indexer LSE (2e-3), dq / dk / dv and dindex_q / dindex_k (cosine > 0.99);
+    out and every gradient also row by row (relative L2 of each row <= 2e-2), which catches
+    a few wrong rows that whole-tensor measures average away.
+Prints one row per case and exits 1 if any case fails; exits 77 (skipped) without NumPy.
+
+    python3 check_cases.py --msa build/tools/msa/msa [--work DIR] [--backend cpu|cuda|auto]
+"""
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+
+try:
+    import numpy as np
+except ImportError:
+    print("SKIP: NumPy is not installed (pip install numpy); the independent run-case check did not run")
+    sys.exit(77)
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import make_cases  # noqa: E402
+import oracle_np as oracle  # noqa: E402
+import safetensors_np as st  # noqa: E402
+
+OUT_TOL, LSE_TOL, INDEX_LSE_TOL, MIN_COSINE, NEAR_TIE, MAX_OUT_REL_L2 = 3e-2, 1e-3, 2e-3, 0.99, 5e-3, 1e-2
+# Per-row relative error allowed for out and gradients (bf16 rounding gives ~2e-3 per row).
+MAX_ROW_ERROR = 2e-2
+
+
+def rel_l2(x, ref):
+    den = np.linalg.norm(ref)
+    num = np.linalg.norm(x - ref)
+    return 0.0 if num == 0 else (num / den if den > 0 else np.inf)
+
+
+def cosine(x, ref):
+    x, ref = x.ravel(), ref.ravel()
+    nx, nr = np.linalg.norm(x), np.linalg.norm(ref)
+    if nx == 0 and nr == 0:
+        return 1.0
+    if nx == 0 or nr == 0 or not np.isfinite(nx):
+        return 0.0
+    return float(np.dot(x, ref) / (nx * nr))
+
+
+def worst_row_error(x, ref):
+    """Largest per-row relative L2 error, rows = all but the last axis. A row's error is
+    ||x_r - ref_r|| / max(||ref_r||, 0.1 * rms row norm) so that rows whose reference is
+    (nearly) zero are judged against the typical row size. Global measures (cosine, relative
+    L2 of the whole tensor) cannot see a few wrong rows among thousands; this does."""
+    x = x.reshape(-1, x.shape[-1])
+    ref = ref.reshape(-1, ref.shape[-1])
+    ref_norm = np.linalg.norm(ref, axis=1)
+    finite = np.isfinite(ref_norm)
+    floor = 0.1 * np.sqrt(np.mean(ref_norm[finite] ** 2)) if finite.any() else 0.0
+    with np.errstate(invalid="ignore"):
+        err = np.linalg.norm(np.where(np.isfinite(ref), x - ref, 0.0), axis=1) / np.maximum(ref_norm, max(floor, 1e-30))
+    err[~np.isfinite(np.linalg.norm(x, axis=1))] = np.inf
+    return float(np.max(err, initial=0.0))
+
+
+def allclose_violations(x, ref, tol):
+    """Elements outside |x - ref| <= tol + tol |ref|; equal infinities match, NaN never does."""
+    both_inf = np.isinf(x) & np.isinf(ref) & (np.sign(x) == np.sign(ref))
+    with np.errstate(invalid="ignore"):
+        ok = both_inf | (np.abs(x - ref) <= tol + tol * np.abs(ref))
+    return int(np.size(ok) - np.count_nonzero(ok))
+
+
+def as_f64(t):
+    if t.dtype == "BF16":
+        return st.bf16_bits_to_f64(t.array)
+    return t.array.astype(np.float64)
+
+
+def settings_from(meta):
+    def num(key, default=None):
+        return float(meta[key]) if key in meta else default
+
+    return oracle.Settings(init_blocks=int(meta.get("init_blocks", 0)), local_blocks=int(meta.get("local_blocks", 1)),
+                           softmax_scale=num("softmax_scale"), index_scale=num("index_scale"),
+                           lse_temperature=num("lse_temperature", 1.0), kl_grad_scale=num("kl_grad_scale"))
+
+
+def check_selection(docs, index_q, index_k, topk, settings, exact):
+    """Returns (rows checked, near-ties, first problem or None)."""
+    hi = topk.shape[0]
+    rows = near = 0
+    for doc in docs:
+        if doc.q_len == 0:
+            continue
+        blocks = oracle.block_scores(oracle.index_scores(doc, index_q, index_k, settings), doc.k_len)
+        for i, p in enumerate(doc.positions()):
+            p = int(p)
+            for g in range(hi):
+                row = topk[g, doc.q_start + i]
+                where = f"topk[{g}, {doc.q_start + i}] (position {p})"
+                valid = [int(b) for b in row if b >= 0]
+                nvis = p // 128 + 1
+                if list(row[len(valid):]) != [-1] * (16 - len(valid)):
+                    return rows, near, f"{where}: valid ids must be a prefix followed by -1, got {list(row)}"
+                if len(set(valid)) != len(valid) or any(b >= nvis for b in valid):
+                    return rows, near, f"{where}: repeated or invisible block in {valid}"
+                if len(valid) != min(16, nvis) or valid[-1] != p // 128:
+                    return rows, near, f"{where}: expected {min(16, nvis)} ids ending with the local block {p // 128}, got {valid}"
+                want, forced, ranked, _ = oracle.select_row(blocks[g, i], p, settings)
+                rows += 1
+                if set(valid) == want:
+                    continue
+                problem = f"{where}: msa selected {sorted(valid)}, the oracle {sorted(want)}"
+                if exact or not ranked or not forced <= set(valid):
+                    return rows, near, problem
+                threshold = min(blocks[g, i, b] for b in ranked)
+                if any(blocks[g, i, b] < threshold - NEAR_TIE for b in set(valid) - forced):
+                    return rows, near, problem
+                near += 1
+    return rows, near, None
+
+
+def run_case(case, msa, backend, threads):
+    out_path = case.path.replace(".safetensors", ".out.safetensors")
+    if os.path.exists(out_path):
+        os.remove(out_path)
+    cmd = [msa, "run-case", "--in", case.path, "--out", out_path, "--backend", backend]
+    if threads:
+        cmd += ["--threads", str(threads)]
+    start = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    seconds = time.time() - start
+    row = {"case": case.name, "msa": f"{seconds:.1f} s"}
+
+    if case.expect_error:
+        ok = proc.returncode == 2 and re.search(case.expect_error, proc.stderr) and not os.path.exists(out_path)
+        row["result"] = "ok" if ok else "FAIL"
+        row["details"] = f"rejected: {proc.stderr.strip()}" if ok else (
+            f"expected exit 2 and /{case.expect_error}/, got exit {proc.returncode}: {proc.stderr.strip()}")
+        return row
+    if proc.returncode != 0:
+        row["result"] = "FAIL"
+        row["details"] = f"msa run-case exited with {proc.returncode}: {proc.stderr.strip()}"
+        return row
+
+    inputs, meta = st.read(case.path)
+    outputs, _ = st.read(out_path)
+    settings = settings_from(meta)
+    q, k, v = as_f64(inputs["q"]), as_f64(inputs["k"]), as_f64(inputs["v"])
+    index_q, index_k = as_f64(inputs["index_q"]), as_f64(inputs["index_k"])
+    cu_q, cu_k = inputs["cu_seqlens_q"].array, inputs["cu_seqlens_k"].array
+    fragments = inputs["fragment_indices"].array if "fragment_indices" in inputs else None
+    docs = oracle.documents(cu_q, cu_k, fragments)
+    total_q, hq, hkv = q.shape[0], q.shape[1], k.shape[1]
+    has_grad = "grad_out" in inputs
+    row["shape"] = f"{total_q} tok, {hq}/{hkv} heads"
+
+    problems = []
+    expected = {"topk": ("I32", (hkv, total_q, 16)), "out": ("BF16", (total_q, hq, 128)), "lse": ("F32", (total_q, hq)),
+                "indexer_lse": ("F32", (hkv, total_q))}
+    if has_grad:
+        for name, shape in {"dq": q.shape, "dk": k.shape, "dv": k.shape, "dindex_q": index_q.shape,
+                            "dindex_k": index_k.shape}.items():
+            expected[name] = ("F32", shape)
+    for name, (dtype, shape) in expected.items():
+        t = outputs.get(name)
+        if t is None or t.dtype != dtype or t.array.shape != tuple(shape):
+            got = "missing" if t is None else f"{t.dtype} {list(t.array.shape)}"
+            problems.append(f"output {name} must be {dtype} {list(shape)}, got {got}")
+    if problems:
+        row["result"], row["details"] = "FAIL", "; ".join(problems)
+        return row
+
+    topk = outputs["topk"].array.astype(np.int64)
+    if case.given_topk:
+        same = np.array_equal(topk, inputs["topk"].array)
+        row["selection"] = "given" if same else "CHANGED"
+        if not same:
+            problems.append("the output topk differs from the given one")
+    else:
+        rows, near, problem = check_selection(docs, index_q, index_k, topk, settings, case.exact_selection)
+        row["selection"] = f"{rows} rows" + (f", {near} near-ties" if near else "")
+        if problem:
+            row["selection"] = "WRONG"
+            problems.append(problem)
+            return {**row, "result": "FAIL", "details": "; ".join(problems)}
+
+    # Indexer LSE over msa's selection at the file's temperature.
+    ref_index_lse = np.full((hkv, total_q), -np.inf)
+    for doc in docs:
+        ref_index_lse[:, doc.q_start:doc.q_start + doc.q_len] = oracle.selected_lse(
+            doc, index_q, index_k, topk, settings, settings.lse_temperature)
+    index_lse = outputs["indexer_lse"].array.astype(np.float64)
+    bad = allclose_violations(index_lse, ref_index_lse, INDEX_LSE_TOL)
+    finite = np.isfinite(ref_index_lse)
+    row["idx lse err"] = f"{np.max(np.abs(index_lse[finite] - ref_index_lse[finite]), initial=0):.1e}"
+    if bad:
+        problems.append(f"indexer_lse: {bad} values outside {INDEX_LSE_TOL}")
+
+    dout = as_f64(inputs["grad_out"]) if has_grad else None
+    out = as_f64(outputs["out"])
+    ref_out, ref_lse, ref_grads = oracle.attention_and_kl(docs, q, k, v, index_q, index_k, topk, dout, settings, total_q,
+                                                          has_grad, given_out=out)
+    lse = outputs["lse"].array.astype(np.float64)
+    row["out rel L2"] = f"{rel_l2(out, ref_out):.1e}"
+    finite = np.isfinite(ref_lse)
+    row["lse err"] = f"{np.max(np.abs(lse[finite] - ref_lse[finite]), initial=0):.1e}"
+    bad_out, bad_lse = allclose_violations(out, ref_out, OUT_TOL), allclose_violations(lse, ref_lse, LSE_TOL)
+    row_errors = [worst_row_error(out, ref_out)]
+    if bad_out or not rel_l2(out, ref_out) <= MAX_OUT_REL_L2 or not row_errors[0] <= MAX_ROW_ERROR:
+        problems.append(f"out: {bad_out} values outside {OUT_TOL}, rel L2 {rel_l2(out, ref_out):.2e}, "
+                        f"worst row error {row_errors[0]:.2e}")
+    if bad_lse:
+        problems.append(f"lse: {bad_lse} values outside {LSE_TOL}")
+    if has_grad:
+        cosines = []
+        for name in ("dq", "dk", "dv", "dindex_q", "dindex_k"):
+            mine = outputs[name].array.astype(np.float64)
+            c, worst = cosine(mine, ref_grads[name]), worst_row_error(mine, ref_grads[name])
+            cosines.append(c)
+            row_errors.append(worst)
+            if not (c > MIN_COSINE and worst <= MAX_ROW_ERROR):
+                problems.append(f"{name}: cosine {c:.5f} (> {MIN_COSINE} needed), worst row error {worst:.2e} "
+                                f"(<= {MAX_ROW_ERROR} needed), rel L2 {rel_l2(mine, ref_grads[name]):.2e}")
+        row["grad cos (min)"] = f"{min(cosines):.6f}"
+    else:
+        row["grad cos (min)"] = "-"
+    row["worst row"] = f"{max(row_errors):.1e}"
+    row["result"] = "FAIL" if problems else "ok"
+    row["details"] = "; ".join(problems)
+    return row
+
+
+def print_table(rows):
+    columns = ["case", "shape", "selection", "idx lse err", "out rel L2", "lse err", "grad cos (min)", "worst row", "msa",
+               "result"]
+    width = {c: max(len(c), *(len(str(r.get(c, "-"))) for r in rows)) for c in columns}
+    print("  ".join(c.ljust(width[c]) for c in columns).rstrip())
+    print("-" * (sum(width.values()) + 2 * (len(columns) - 1)))
+    for r in rows:
+        print("  ".join(str(r.get(c, "-")).ljust(width[c]) for c in columns).rstrip())
+    for r in rows:
+        if r.get("details"):
+            print(f"  {r['case']}: {r['details']}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--msa", required=True, help="path to the msa executable")
+    parser.add_argument("--work", default="independent_cases", help="folder for inputs and outputs")
+    parser.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--threads", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
+    args = parser.parse_args()
+
+    cases = make_cases.make_cases(args.work, args.seed)
+    if args.cases:
+        wanted = set(args.cases.split(","))
+        unknown = wanted - {c.name for c in cases}
+        if unknown:
+            parser.error(f"unknown cases: {', '.join(sorted(unknown))}")
+        cases = [c for c in cases if c.name in wanted]
+    rows = []
+    for case in cases:
+        print(f"[check_cases] {case.name}: {case.description}", file=sys.stderr, flush=True)
+        rows.append(run_case(case, args.msa, args.backend, args.threads))
+    print_table(rows)
+    failed = [r["case"] for r in rows if r["result"] != "ok"]
+    print(f"\n{'FAIL' if failed else 'PASS'}: {len(rows) - len(failed)}/{len(rows)} cases match the float64 NumPy oracle"
+          + (f" (failed: {', '.join(failed)})" if failed else ""))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""Writes `msa run-case` input files for the independent check (NumPy only).
+
+Cases: a mixed pack of document lengths around block edges, smaller packs at 64/4 and 32/2
+heads, all-zero index vectors (ties), chunked prefill (q_len < k_len), context-parallel
+fragments sharing one KV range, non-default forcing and scales, a caller-supplied selection,
+and an invalid selection that must be rejected. Inputs are random bf16, normal x 0.2.
+
+    python3 make_cases.py --out DIR [--seed S]
+"""
+
+import argparse
+import json
+import os
+
+import numpy as np
+
+import safetensors_np as st
+
+D = 128
+
+
+class Case:
+    """One input file plus what the checker needs to know about it."""
+
+    def __init__(self, name, description, path, expect_error=None, exact_selection=False, given_topk=False):
+        self.name = name
+        self.description = description
+        self.path = path
+        self.expect_error = expect_error  # regex the error message must match (exit code 2)
+        self.exact_selection = exact_selection  # ties: sets must match exactly, no near-tie slack
+        self.given_topk = given_topk
+
+
+def _bf16(rng, shape):
+    return st.Tensor("BF16", st.f64_to_bf16_bits(rng.standard_normal(shape, dtype=np.float32) * np.float32(0.2)))
+
+
+def _i32(values):
+    return st.Tensor("I32", np.asarray(values, dtype=np.int32))
+
+
+def _write_case(out_dir, name, rng, cu_q, cu_k, hq, hkv, fragments=None, grad=True, zero_index=False, metadata=None,
+                topk=None):
+    total_q, total_k = cu_q[-1], cu_k[-1]
+    tensors = {
+        "q": _bf16(rng, (total_q, hq, D)),
+        "k": _bf16(rng, (total_k, hkv, D)),
+        "v": _bf16(rng, (total_k, hkv, D)),
+        "index_q": _bf16(rng, (total_q, hkv, D)),
+        "index_k": _bf16(rng, (total_k, 1, D)),
+        "cu_seqlens_q": _i32(cu_q),
+        "cu_seqlens_k": _i32(cu_k),
+    }
+    if zero_index:
+        tensors["index_q"] = st.Tensor("BF16", np.zeros((total_q, hkv, D), np.uint16))
+        tensors["index_k"] = st.Tensor("BF16", np.zeros((total_k, 1, D), np.uint16))
+    if fragments is not None:
+        tensors["fragment_indices"] = _i32(fragments)
+    if grad:
+        tensors["grad_out"] = _bf16(rng, (total_q, hq, D))
+    if topk is not None:
+        tensors["topk"] = _i32(topk)
+    path = os.path.join(out_dir, f"{name}.safetensors")
+    st.write(path, tensors, metadata or {})
+    return path
+
+
+def _self_attention(lengths):
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return cu, cu
+
+
+def _random_selection(rng, cu_q, cu_k, hkv):
+    """A valid selection that is not the indexer's: per row a random number of distinct
+    earlier blocks in random order, then the query's own block last; -1 padding."""
+    total_q = cu_q[-1]
+    topk = np.full((hkv, total_q, 16), -1, dtype=np.int32)
+    for b in range(len(cu_q) - 1):
+        q_len, k_len = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        for i in range(q_len):
+            local = (k_len - q_len + i) // 128
+            for g in range(hkv):
+                count = int(rng.integers(0, min(15, local) + 1))
+                history = rng.permutation(local)[:count]
+                row = list(history) + [local]
+                topk[g, cu_q[b] + i, : len(row)] = row
+    return topk
+
+
+def make_cases(out_dir, seed=1):
+    os.makedirs(out_dir, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    cases = []
+
+    def add(name, description, **kwargs):
+        case_kwargs = {k: kwargs.pop(k) for k in ("expect_error", "exact_selection") if k in kwargs}
+        path = _write_case(out_dir, name, rng, **kwargs)
+        cases.append(Case(name, description, path, given_topk=kwargs.get("topk") is not None, **case_kwargs))
+
+    cu_q, cu_k = _self_attention([1, 127, 128, 129, 2047, 2048, 2049])
+    add("mixed_pack_16x1", "documents of 1, 127, 128, 129, 2047, 2048, 2049 tokens; 16 q / 1 kv heads (TP=4)",
+        cu_q=cu_q, cu_k=cu_k, hq=16, hkv=1)
+
+    cu_q, cu_k = _self_attention([1, 129, 300, 257])
+    add("mixed_pack_64x4", "documents of 1, 129, 300, 257 tokens; 64 q / 4 kv heads (MiniMax-M3)",
+        cu_q=cu_q, cu_k=cu_k, hq=64, hkv=4)
+
+    cu_q, cu_k = _self_attention([200, 1, 2200])
+    add("pack_32x2", "documents of 200, 1, 2200 tokens; 32 q / 2 kv heads (TP=2)", cu_q=cu_q, cu_k=cu_k, hq=32, hkv=2)
+
+    cu_q, cu_k = _self_attention([2304])
+    add("ties_zero_index", "all-zero index vectors, 2304 tokens (18 blocks): ties go to the lower block id",
+        cu_q=cu_q, cu_k=cu_k, hq=16, hkv=1, zero_index=True, exact_selection=True)
+
+    # Chunked prefill: the new queries are the causal suffix of each request's KV.
+    add("chunked_prefill", "q_len < k_len: (300 of 2600), (1 of 4000), (129 of 129) tokens",
+        cu_q=[0, 300, 301, 430], cu_k=[0, 2600, 6600, 6729], hq=16, hkv=1)
+
+    # Context parallelism: document A (3000 tokens) holds its KV once; its fragments are the
+    # first and the last 500 queries (zig-zag). Document B (700 tokens): two fragments.
+    add("fragments_shared_kv", "CP fragments sharing one KV range: A 0..500 + 2500..3000 of 3000, B 0..300 + 300..700",
+        cu_q=[0, 500, 1000, 1300, 1700], cu_k=[0, 500, 3000, 3300, 3700], fragments=[0, 0, 2, 2], hq=16, hkv=1)
+
+    add("forcing_and_scales", "init_blocks 2, local_blocks 2, lse_temperature 2, softmax/index scales, q_per_cta 3",
+        cu_q=[0, 700], cu_k=[0, 3000], hq=16, hkv=1,
+        metadata={"init_blocks": "2", "local_blocks": "2", "lse_temperature": "2.0", "softmax_scale": "0.05",
+                  "index_scale": "0.1", "q_per_cta": "3", "kl_grad_scale": "0.001"})
+
+    cu_q, cu_k = [0, 600, 800], [0, 3000, 3200]
+    add("given_topk", "caller-supplied selection: random valid subsets in random order, local last (indexer skipped)",
+        cu_q=cu_q, cu_k=cu_k, hq=16, hkv=1, topk=_random_selection(rng, cu_q, cu_k, 1))
+
+    cu_q, cu_k = _self_attention([300])
+    bad = _random_selection(rng, cu_q, cu_k, 1)
+    bad[0, 299, :3] = [0, 0, 2]  # block 0 twice
+    add("invalid_topk", "a selection with a repeated block id must be rejected", cu_q=cu_q, cu_k=cu_k, hq=16, hkv=1,
+        grad=False, topk=bad, expect_error=r"topk\[0, 299, [0-9:]+\].*(twice|repeat)")
+
+    with open(os.path.join(out_dir, "cases.json"), "w") as f:
+        json.dump([vars(c) for c in cases], f, indent=2)
+    return cases
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True, help="folder for the .safetensors inputs")
+    parser.add_argument("--seed", type=int, default=1)
+    args = parser.parse_args()
+    for case in make_cases(args.out, args.seed):
+        print(f"{case.path}: {case.description}")
+
+
+if __name__ == "__main__":
+    main()
