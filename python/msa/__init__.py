@@ -21,7 +21,7 @@ from ._native import (
     built_with_cuda,
     cuda_device_count,
 )
-from . import bf16
+from . import bf16, inference
 from .functional import (
     backward,
     build_plan,
@@ -39,5 +39,5 @@ __all__ = [
     "MsaError", "InvalidArgumentError", "UnsupportedError", "MsaRuntimeError",
     "Topology", "PackedLayout", "Plan", "built_with_cuda", "cuda_device_count", "bf16",
     "make_layout", "select_blocks", "build_plan", "prepare", "forward", "backward",
-    "kl_backward", "merge_states", "pack", "unpack", "__version__",
+    "kl_backward", "merge_states", "pack", "unpack", "inference", "__version__",
 ]

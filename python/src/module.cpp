@@ -17,4 +17,5 @@ NB_MODULE(_native, m) {
   msa::python::bind_errors(m);
   msa::python::bind_types(m);
   msa::python::bind_ops(m);
+  msa::python::bind_inference(m);
 }
