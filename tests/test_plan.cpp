@@ -152,7 +152,7 @@ TEST(Plan, UnorderedSparseAndEmptySelections) {
         std::vector<int32_t> history(static_cast<size_t>(local));
         std::iota(history.begin(), history.end(), 0);
         std::shuffle(history.begin(), history.end(), rng);
-        history.resize(std::min<size_t>(history.size(), size_t(coin(rng) * 4)));
+        history.resize(std::min<size_t>(history.size(), std::min<size_t>(15, size_t(coin(rng) * 4))));
         history.push_back(local);
         std::copy(history.begin(), history.end(), ids + (g * L.total_q() + d.q_start + i) * 16);
       }

@@ -14,26 +14,38 @@ namespace {
 
 constexpr double kNegInf = -std::numeric_limits<double>::infinity();
 
-// Double-precision dot product of two fp32 rows. `omp simd` lets the compiler split the sum
-// into lanes; in double that reordering is far below the tolerances we test.
-double dot(const float* a, const float* b, int n) {
+// The oracle's hot loops are compiled twice, for AVX2 machines and a generic x86-64, and
+// picked at load time: the brute-force float64 work of a full backward is large, and the
+// library's build flags do not apply to the tests.
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define MSA_ORACLE_HOT __attribute__((target_clones("avx2", "default")))
+#else
+#define MSA_ORACLE_HOT
+#endif
+#define MSA_ORACLE_INLINE inline __attribute__((always_inline))
+
+// Double-precision dot products. `omp simd` lets the compiler split the sum into lanes; in
+// double that reordering is far below the tolerances we test.
+template <typename A, typename B>
+MSA_ORACLE_INLINE double dot_simd(const A* a, const B* b, int n) {
   double s = 0;
 #pragma omp simd reduction(+ : s)
   for (int i = 0; i < n; ++i) s += double(a[i]) * double(b[i]);
   return s;
 }
-
-double dot(const float* a, const double* b, int n) {
-  double s = 0;
-#pragma omp simd reduction(+ : s)
-  for (int i = 0; i < n; ++i) s += double(a[i]) * b[i];
-  return s;
-}
+MSA_ORACLE_INLINE double dot(const float* a, const float* b, int n) { return dot_simd(a, b, n); }
+MSA_ORACLE_INLINE double dot(const double* a, const float* b, int n) { return dot_simd(a, b, n); }
+MSA_ORACLE_INLINE double dot(const double* a, const double* b, int n) { return dot_simd(a, b, n); }
 
 // dst += alpha * src
-void axpy(double alpha, const float* src, double* dst, int n) {
+MSA_ORACLE_INLINE void axpy(double alpha, const float* src, double* dst, int n) {
 #pragma omp simd
   for (int i = 0; i < n; ++i) dst[i] += alpha * double(src[i]);
+}
+
+MSA_ORACLE_INLINE void axpy(double alpha, const double* src, double* dst, int n) {
+#pragma omp simd
+  for (int i = 0; i < n; ++i) dst[i] += alpha * src[i];
 }
 
 // Packed query row -> (document, query index inside it), for every row of every document.
@@ -204,12 +216,77 @@ std::vector<double> selected_lse(const Topology& topo, const std::vector<Doc>& d
 
 namespace {
 
+// One (query row, KV group): softmax over the group's keys for its query heads, and with
+// `dout` the gradients. Keys are visited in the outer loop so that each K / V row is read once
+// for all heads of the group.
+struct GroupBuffers {
+  std::vector<double> q, dout, p, o, dq, dk_row, dv_row, delta;
+};
+
+MSA_ORACLE_HOT void attend_group(const Topology& topo, const Doc& d, int64_t row, int g, const std::vector<int64_t>& keys,
+                                 const float* q, const float* k, const float* v, const float* dout, GroupBuffers& w,
+                                 AttentionResult& r, double* dk_acc, double* dv_acc) {
+  const int Hq = topo.num_q_heads, Hkv = topo.num_kv_heads, D = topo.head_dim;
+  const int G = Hq / Hkv, h0 = g * G;
+  const double scale = attention_scale(topo);
+  const size_t nk = keys.size();
+  auto key_row = [&](const float* base, size_t j) { return base + ((d.k_start + keys[j]) * Hkv + g) * D; };
+
+  w.q.resize(size_t(G * D));
+  for (int e = 0; e < G * D; ++e) w.q[size_t(e)] = q[(row * Hq + h0) * D + e];
+  // p[h][j] = z, then the softmax probabilities.
+  w.p.resize(size_t(G) * nk);
+  for (size_t j = 0; j < nk; ++j) {
+    const float* kj = key_row(k, j);
+    for (int h = 0; h < G; ++h) w.p[size_t(h) * nk + j] = scale * dot(w.q.data() + h * D, kj, D);
+  }
+  for (int h = 0; h < G; ++h) {
+    double* ph = w.p.data() + size_t(h) * nk;
+    const double m = *std::max_element(ph, ph + nk);
+    double l = 0;
+    for (size_t j = 0; j < nk; ++j) l += (ph[j] = std::exp(ph[j] - m));
+    for (size_t j = 0; j < nk; ++j) ph[j] /= l;
+    r.lse[size_t(row * Hq + h0 + h)] = m + std::log(l);
+  }
+  w.o.assign(size_t(G * D), 0.0);
+  for (size_t j = 0; j < nk; ++j) {
+    const float* vj = key_row(v, j);
+    for (int h = 0; h < G; ++h) axpy(w.p[size_t(h) * nk + j], vj, w.o.data() + h * D, D);
+  }
+  std::copy(w.o.begin(), w.o.end(), r.out.begin() + (row * Hq + h0) * D);
+  if (!dout) return;
+
+  // dS = P (dP - rowsum(dO o O)), dP = dO V^T; dQ = scale dS K; dK = scale dS^T Q; dV = P^T dO.
+  w.dout.resize(size_t(G * D));
+  for (int e = 0; e < G * D; ++e) w.dout[size_t(e)] = dout[(row * Hq + h0) * D + e];
+  w.delta.resize(size_t(G));
+  for (int h = 0; h < G; ++h) w.delta[size_t(h)] = dot(w.dout.data() + h * D, w.o.data() + h * D, D);
+  w.dq.assign(size_t(G * D), 0.0);
+  w.dk_row.resize(size_t(D));
+  w.dv_row.resize(size_t(D));
+  for (size_t j = 0; j < nk; ++j) {
+    const float* kj = key_row(k, j);
+    const float* vj = key_row(v, j);
+    std::fill(w.dk_row.begin(), w.dk_row.end(), 0.0);
+    std::fill(w.dv_row.begin(), w.dv_row.end(), 0.0);
+    for (int h = 0; h < G; ++h) {
+      const double pj = w.p[size_t(h) * nk + j];
+      const double ds = pj * (dot(w.dout.data() + h * D, vj, D) - w.delta[size_t(h)]);
+      axpy(scale * ds, kj, w.dq.data() + h * D, D);
+      axpy(scale * ds, w.q.data() + h * D, w.dk_row.data(), D);
+      axpy(pj, w.dout.data() + h * D, w.dv_row.data(), D);
+    }
+    const int64_t key = (d.k_start + keys[j]) * Hkv + g;
+    axpy(1.0, w.dk_row.data(), dk_acc + key * D, D);
+    axpy(1.0, w.dv_row.data(), dv_acc + key * D, D);
+  }
+  std::copy(w.dq.begin(), w.dq.end(), r.dq.begin() + (row * Hq + h0) * D);
+}
+
 AttentionResult attention(const Topology& topo, const std::vector<Doc>& docs, const float* q, const float* k,
                           const float* v, const int32_t* topk, const float* dout, int64_t total_k,
                           const std::vector<int64_t>& rows) {
   const int Hq = topo.num_q_heads, Hkv = topo.num_kv_heads, D = topo.head_dim, K = topo.topk;
-  const int group = Hq / Hkv;
-  const double scale = attention_scale(topo);
   const int64_t total_q = total_queries(docs);
   const bool backward = dout != nullptr;
 
@@ -246,7 +323,7 @@ AttentionResult attention(const Topology& topo, const std::vector<Doc>& docs, co
       dk_acc = dk_part[size_t(tid)].data();
       dv_acc = dv_part[size_t(tid)].data();
     }
-    std::vector<double> z, p, dp, o(static_cast<size_t>(D));
+    GroupBuffers work;
 #pragma omp for schedule(dynamic, 4)
     for (int64_t n = 0; n < int64_t(refs.size()); ++n) {
       const Doc& d = docs[size_t(refs[size_t(n)].doc)];
@@ -254,40 +331,7 @@ AttentionResult attention(const Topology& topo, const std::vector<Doc>& docs, co
       for (int g = 0; g < Hkv; ++g) {
         const auto keys = visible_keys(topo, d, position(d, i), topk + (g * total_q + row) * K);
         if (keys.empty()) continue;  // out 0, lse -inf, no gradient
-        const size_t nk = keys.size();
-        z.resize(nk);
-        p.resize(nk);
-        dp.resize(nk);
-        for (int h = g * group; h < (g + 1) * group; ++h) {
-          const float* qh = q + (row * Hq + h) * D;
-          double m = kNegInf;
-          for (size_t j = 0; j < nk; ++j) {
-            z[j] = scale * dot(qh, k + ((d.k_start + keys[j]) * Hkv + g) * D, D);
-            m = std::max(m, z[j]);
-          }
-          double l = 0;
-          for (size_t j = 0; j < nk; ++j) l += (p[j] = std::exp(z[j] - m));
-          std::fill(o.begin(), o.end(), 0.0);
-          for (size_t j = 0; j < nk; ++j) {
-            p[j] /= l;
-            axpy(p[j], v + ((d.k_start + keys[j]) * Hkv + g) * D, o.data(), D);
-          }
-          std::copy(o.begin(), o.end(), r.out.begin() + (row * Hq + h) * D);
-          r.lse[size_t(row * Hq + h)] = m + std::log(l);
-          if (!backward) continue;
-
-          // dS = P (dP - rowsum(dO o O)); dQ = scale dS K; dK = scale dS^T Q; dV = P^T dO.
-          const float* doh = dout + (row * Hq + h) * D;
-          const double delta = dot(doh, o.data(), D);
-          double* dqh = r.dq.data() + (row * Hq + h) * D;
-          for (size_t j = 0; j < nk; ++j) {
-            const int64_t key = (d.k_start + keys[j]) * Hkv + g;
-            const double ds = p[j] * (dot(doh, v + key * D, D) - delta);
-            axpy(scale * ds, k + key * D, dqh, D);
-            axpy(scale * ds, qh, dk_acc + key * D, D);
-            axpy(p[j], doh, dv_acc + key * D, D);
-          }
-        }
+        attend_group(topo, d, row, g, keys, q, k, v, dout, work, r, dk_acc, dv_acc);
       }
     }
   }
@@ -316,13 +360,41 @@ AttentionResult attention_backward(const Topology& topo, const std::vector<Doc>&
 // ---------------------------------------------------------------------------------------
 // KL backward
 
+namespace {
+
+// One (query row, index head g): ds over the selected keys, accumulated into dindex_q of the
+// row and dindex_k of the keys.
+MSA_ORACLE_HOT void kl_group(const Topology& topo, const Doc& d, int64_t row, int g, const std::vector<int64_t>& keys,
+                             const float* q, const float* k, const float* lse, const float* index_q,
+                             const float* index_k, double index_lse, double grad_scale, std::vector<double>& qg,
+                             double* dqi, double* dk_acc) {
+  const int Hq = topo.num_q_heads, Hkv = topo.num_kv_heads, D = topo.head_dim, Di = topo.index_head_dim;
+  const int G = Hq / Hkv, h0 = g * G;
+  const double sm_scale = attention_scale(topo), ix_scale = index_scale(topo);
+  qg.resize(size_t(G * D));
+  for (int e = 0; e < G * D; ++e) qg[size_t(e)] = q[(row * Hq + h0) * D + e];
+  const float* qi = index_q + (row * topo.num_index_heads + g) * Di;
+  for (int64_t t : keys) {
+    // teacher = mean over the group's heads of the main softmax probability of key t.
+    const float* kt = k + ((d.k_start + t) * Hkv + g) * D;
+    double teacher = 0;
+    for (int h = 0; h < G; ++h)
+      teacher += std::exp(sm_scale * dot(qg.data() + h * D, kt, D) - double(lse[row * Hq + h0 + h]));
+    teacher /= G;
+    const float* ki = index_k + (d.k_start + t) * Di;
+    const double student = std::exp(ix_scale * dot(qi, ki, Di) - index_lse);
+    const double ds = (student - teacher) * grad_scale;
+    axpy(ds * ix_scale, ki, dqi, Di);
+    axpy(ds * ix_scale, qi, dk_acc + (d.k_start + t) * Di, Di);
+  }
+}
+
+}  // namespace
+
 KlResult kl_backward(const Topology& topo, const std::vector<Doc>& docs, const float* q, const float* k,
                      const float* lse, const float* index_q, const float* index_k, const float* index_lse,
                      const int32_t* topk, int64_t total_k, double grad_scale) {
-  const int Hq = topo.num_q_heads, Hkv = topo.num_kv_heads, Hi = topo.num_index_heads, D = topo.head_dim,
-            Di = topo.index_head_dim, K = topo.topk;
-  const int group = Hq / Hkv;
-  const double sm_scale = attention_scale(topo), ix_scale = index_scale(topo);
+  const int Hi = topo.num_index_heads, Di = topo.index_head_dim, K = topo.topk;
   const int64_t total_q = total_queries(docs);
   KlResult r;
   r.dindex_q.assign(size_t(total_q * Hi * Di), 0.0);
@@ -335,8 +407,7 @@ KlResult kl_backward(const Topology& topo, const std::vector<Doc>& docs, const f
   {
     const int tid = omp_get_thread_num();
     dk_part[size_t(tid)].assign(size_t(total_k * Di), 0.0);
-    double* dk_acc = dk_part[size_t(tid)].data();
-    std::vector<double> teacher;
+    std::vector<double> qg;
 #pragma omp for schedule(dynamic, 4)
     for (int64_t n = 0; n < int64_t(refs.size()); ++n) {
       const Doc& d = docs[size_t(refs[size_t(n)].doc)];
@@ -344,22 +415,8 @@ KlResult kl_backward(const Topology& topo, const std::vector<Doc>& docs, const f
       for (int g = 0; g < Hi; ++g) {
         const auto keys = visible_keys(topo, d, position(d, i), topk + (g * total_q + row) * K);
         if (keys.empty()) continue;
-        teacher.assign(keys.size(), 0.0);
-        for (int h = g * group; h < (g + 1) * group; ++h)
-          for (size_t j = 0; j < keys.size(); ++j) {
-            const double z = sm_scale * dot(q + (row * Hq + h) * D, k + ((d.k_start + keys[j]) * Hkv + g) * D, D);
-            teacher[j] += std::exp(z - double(lse[row * Hq + h])) / group;
-          }
-        const float* qi = index_q + (row * Hi + g) * Di;
-        double* dqi = r.dindex_q.data() + (row * Hi + g) * Di;
-        for (size_t j = 0; j < keys.size(); ++j) {
-          const float* ki = index_k + (d.k_start + keys[j]) * Di;
-          const double s = ix_scale * dot(qi, ki, Di);
-          const double student = std::exp(s - double(index_lse[g * total_q + row]));
-          const double ds = (student - teacher[j]) * grad_scale;
-          axpy(ds * ix_scale, ki, dqi, Di);
-          axpy(ds * ix_scale, qi, dk_acc + (d.k_start + keys[j]) * Di, Di);
-        }
+        kl_group(topo, d, row, g, keys, q, k, lse, index_q, index_k, double(index_lse[g * total_q + row]), grad_scale,
+                 qg, r.dindex_q.data() + (row * Hi + g) * Di, dk_part[size_t(tid)].data());
       }
     }
   }
