@@ -8,6 +8,7 @@
 
 #include "backend.h"
 #include "cpu/inference/common.h"
+#include "cpu/simd.h"
 
 namespace msa::cpu {
 
@@ -30,31 +31,34 @@ struct GroupState {
     std::fill(acc, acc + int64_t(heads) * kHeadDim, 0.0f);
   }
 
-  // Adds n keys (kt: transposed keys [128, 128], v: rows [n, 128]) to every head.
-  // z: [128] scratch.
+  // Adds n keys (kt: transposed keys [128 dims, 128 tokens] with zero tokens past n,
+  // v: rows [n, 128]) to every head. z: [G, 128] scratch.
   void add(const float* q, const float* kt, const float* v, int n, float scale, float* z) {
+    gemm<false>(heads, kPageSize, kHeadDim, q, kHeadDim, 1, kt, kPageSize, z, kPageSize);  // z = q . k
     for (int h = 0; h < heads; ++h) {
-      page_scores(q + int64_t(h) * kHeadDim, kt, n, z);
+      float* zh = z + int64_t(h) * kPageSize;
       float block_max = kNegInf;
       for (int t = 0; t < n; ++t) {
-        z[t] *= scale;
-        block_max = std::max(block_max, z[t]);
+        zh[t] *= scale;
+        block_max = std::max(block_max, zh[t]);
       }
       const float new_m = std::max(m[h], block_max);
-      if (new_m == kNegInf) continue;
+      if (new_m == kNegInf) {  // only -inf logits: nothing to add
+        std::fill(zh, zh + n, 0.0f);
+        continue;
+      }
       const float alpha = std::exp(m[h] - new_m);  // 0 while the state is empty
       float* a = acc + int64_t(h) * kHeadDim;
       for (int d = 0; d < kHeadDim; ++d) a[d] *= alpha;
       float sum = l[h] * alpha;
       for (int t = 0; t < n; ++t) {
-        const float w = std::exp(z[t] - new_m);
-        sum += w;
-        const float* vt = v + int64_t(t) * kHeadDim;
-        for (int d = 0; d < kHeadDim; ++d) a[d] += w * vt[d];
+        zh[t] = std::exp(zh[t] - new_m);
+        sum += zh[t];
       }
       l[h] = sum;
       m[h] = new_m;
     }
+    gemm<true>(heads, kHeadDim, n, z, kPageSize, 1, v, kHeadDim, acc, kHeadDim);  // acc += p . v
   }
 
   // Normalised output and natural-log LSE of head h; empty states give 0 and -inf.
@@ -95,9 +99,11 @@ void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, c
     float* q = static_cast<float*>(plan.scratch_f32.data()) + omp_get_thread_num() * f32_stride;  // [G, 128]
     float* k = q + int64_t(G) * kHeadDim;              // [128 dims, 128 tokens] (transposed)
     float* v = k + int64_t(kPageSize) * kHeadDim;      // [128, 128]
-    float* out_row = v + int64_t(kPageSize) * kHeadDim;  // [128]
-    float* z = out_row + kHeadDim;                     // [128]
-    GroupState state{z + kPageSize, z + kPageSize + G, z + kPageSize + 2 * G, G};
+    float* key_rows = v + int64_t(kPageSize) * kHeadDim;  // [128, 128] work space
+    float* out_row = key_rows + int64_t(kPageSize) * kHeadDim;  // [128]
+    float* z = out_row + kHeadDim;                       // [G, 128]
+    float* m = z + int64_t(G) * kPageSize;               // [G]
+    GroupState state{m, m + G, m + 2 * G, G};            // acc: [G, 128]
 
 #pragma omp for schedule(dynamic)
     for (int64_t item = 0; item < T * Hkv; ++item) {
@@ -116,8 +122,8 @@ void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, c
           // Keys t <= pos of the page; only the local page is cut short.
           const int n = int(std::min<int64_t>(kPageSize, int64_t(pos) - int64_t(id) * kPageSize + 1));
           if (n <= 0) continue;
-          k_reader.rows_transposed(pages[id], g, n, k, out_row);
           v_reader.rows(pages[id], g, 0, n, v);
+          k_reader.rows_transposed(pages[id], g, n, k, key_rows);
           state.add(q, k, v, n, scale, z);
         }
         for (int h = 0; h < G; ++h) {

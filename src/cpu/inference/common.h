@@ -1,7 +1,9 @@
-// Shared pieces of the CPU inference backend: dequantising cache rows of every format,
-// the Gemma RMSNorm + RoPE row transform and a vectorisable 128-element dot product.
+// Shared pieces of the CPU inference backend: dequantising cache rows of every format (also
+// as transposed pages, the B operand of the score GEMM) and the Gemma RMSNorm + RoPE row
+// transform.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 
@@ -28,6 +30,16 @@ inline int64_t offset4(const TensorView& t, int64_t i0, int64_t i1, int64_t i2) 
   return i0 * t.stride[0] + i1 * t.stride[1] + i2 * t.stride[2];
 }
 
+// dst[d * 128 + t] = rows[t * 128 + d] for a [128 tokens, 128 dims] page, in cache-friendly
+// 16 x 16 tiles.
+inline void transpose_page(const float* rows, float* dst) {
+  constexpr int kTile = 16;
+  for (int t0 = 0; t0 < kPageSize; t0 += kTile)
+    for (int d0 = 0; d0 < kHeadDim; d0 += kTile)
+      for (int d = d0; d < d0 + kTile; ++d)
+        for (int t = t0; t < t0 + kTile; ++t) dst[d * kPageSize + t] = rows[t * kHeadDim + d];
+}
+
 // Reads dequantised rows of one side (K or V) of a validated paged cache.
 class KvRowReader {
  public:
@@ -50,17 +62,14 @@ class KvRowReader {
   }
 
   // Rows [0, n) of (physical page, kv head) transposed into dst [128 dims, 128 tokens];
-  // tokens n..127 are zero. `tmp` holds one row.
-  void rows_transposed(int64_t page, int head, int n, float* dst, float* tmp) const {
-    for (int t = 0; t < n; ++t) {
-      row(page, head, t, tmp);
-      for (int d = 0; d < kHeadDim; ++d) dst[d * kPageSize + t] = tmp[d];
-    }
-    if (n < kPageSize)
-      for (int d = 0; d < kHeadDim; ++d)
-        for (int t = n; t < kPageSize; ++t) dst[d * kPageSize + t] = 0.0f;
+  // tokens n..127 are zero. `rows` [128, 128] is work space.
+  void rows_transposed(int64_t page, int head, int n, float* dst, float* rows) const {
+    this->rows(page, head, 0, n, rows);
+    std::fill(rows + int64_t(n) * kHeadDim, rows + int64_t(kPageSize) * kHeadDim, 0.0f);
+    transpose_page(rows, dst);
   }
 
+  // One dequantised row of (physical page, kv head, offset) into dst [128] fp32.
   void row(int64_t page, int head, int offset, float* dst) const {
     const int64_t base = offset4(data_, page, head, offset);
     switch (format_) {
@@ -99,28 +108,12 @@ class KvRowReader {
   int64_t token_scale_stride_ = 0;
 };
 
-// All 128 index-K rows of a physical page transposed into dst [128 dims, 128 tokens] fp32.
-inline void index_keys_transposed(const TensorView& cache, int64_t page, float* dst, float* tmp) {
-  for (int t = 0; t < kPageSize; ++t) {
-    load_row(cache, page * cache.stride[0] + int64_t(t) * cache.stride[1], kHeadDim, tmp);
-    for (int d = 0; d < kHeadDim; ++d) dst[d * kPageSize + t] = tmp[d];
-  }
-}
-
-// out[t] = sum over d of q[d] * kt[d * 128 + t] for the first `n` tokens rounded up to 32
-// (fp32, d ascending). kt is a transposed page, so the token loop is contiguous and the 32
-// partial sums stay in vector registers.
-inline void page_scores(const float* q, const float* kt, int n, float* out) {
-  constexpr int kChunk = 32;
-  for (int t0 = 0; t0 < n; t0 += kChunk) {
-    float acc[kChunk] = {};
-    for (int d = 0; d < kHeadDim; ++d) {
-      const float qd = q[d];
-      const float* k = kt + d * kPageSize + t0;
-      for (int j = 0; j < kChunk; ++j) acc[j] += qd * k[j];
-    }
-    for (int j = 0; j < kChunk; ++j) out[t0 + j] = acc[j];
-  }
+// All 128 index-K rows of a physical page transposed into dst [128 dims, 128 tokens] fp32;
+// `rows` [128, 128] is work space.
+inline void index_keys_transposed(const TensorView& cache, int64_t page, float* dst, float* rows) {
+  for (int t = 0; t < kPageSize; ++t)
+    load_row(cache, page * cache.stride[0] + int64_t(t) * cache.stride[1], kHeadDim, rows + t * kHeadDim);
+  transpose_page(rows, dst);
 }
 
 // Gemma RMSNorm + partial NeoX RoPE of one 128-row (spec §2.1), bf16-rounded results:

@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "cpu/inference/common.h"
+#include "cpu/simd.h"
 
 namespace msa::cpu {
 
@@ -21,10 +22,12 @@ int64_t pages_in_use(const InferencePlan& plan) { return std::max<int64_t>(1, (p
 
 int64_t inference_scratch_f32(const InferencePlan& plan) {
   const int64_t Hi = plan.topo.num_index_heads;
-  const int64_t indexer = kRowTile * Hi * kHeadDim + kPageSize * kHeadDim + kPageSize + kRowTile * Hi * pages_in_use(plan);
-  // Attention: q of one group, K and V of one page, the scores and accumulators of 16 heads.
+  const int64_t indexer =
+      kRowTile * Hi * kHeadDim + 2 * kPageSize * kHeadDim + kRowTile * Hi * kPageSize + kRowTile * Hi * pages_in_use(plan);
+  // Attention: q of one group, K (rows and transposed) and V of one page, an output row, the
+  // scores, maxima, sums and accumulators of the group's heads.
   const int64_t group = plan.topo.group_size();
-  const int64_t attention = group * kHeadDim * 3 + 2 * kPageSize * kHeadDim + group * kPageSize + 2 * group;
+  const int64_t attention = group * kHeadDim * 3 + 3 * kPageSize * kHeadDim + kHeadDim + group * kPageSize + 2 * group;
   return std::max(indexer, attention);
 }
 
@@ -46,8 +49,9 @@ void paged_indexer(const InferencePlan& plan, const PagedIndexerParams& p, const
     const int tid = omp_get_thread_num();
     float* q = static_cast<float*>(plan.scratch_f32.data()) + tid * f32_stride;  // [R, Hi, 128]
     float* keys = q + kRowTile * Hi * kHeadDim;                                   // [128 dims, 128 tokens]
-    float* token_scores = keys + kPageSize * kHeadDim;                            // [128]
-    float* scores = token_scores + kPageSize;                                     // [R, Hi, npages]
+    float* key_rows = keys + kPageSize * kHeadDim;                                // [128 tokens, 128 dims]
+    float* token_scores = key_rows + kPageSize * kHeadDim;                        // [R, Hi, 128]
+    float* scores = token_scores + kRowTile * Hi * kPageSize;                     // [R, Hi, npages]
     int32_t* order = static_cast<int32_t*>(plan.scratch_i32.data()) + tid * i32_stride;  // [npages]
 
 #pragma omp for schedule(dynamic)
@@ -67,16 +71,17 @@ void paged_indexer(const InferencePlan& plan, const PagedIndexerParams& p, const
                    q + ((r - r0) * Hi + g) * kHeadDim);
       }
       for (int64_t j = 0; j < scored_pages; ++j) {
-        index_keys_transposed(p.index_k_cache, pages[j], keys, token_scores);
+        index_keys_transposed(p.index_k_cache, pages[j], keys, key_rows);
+        gemm<false>(int(r1 - r0) * Hi, kPageSize, kHeadDim, q, kHeadDim, 1, keys, kPageSize, token_scores, kPageSize);
         for (int64_t r = r0; r < r1; ++r) {
           if (positions[r] < 0 || j >= positions[r] / kPageSize || positions[r] / kPageSize + 1 <= kTopk) continue;
           for (int g = 0; g < Hi; ++g) {
-            page_scores(q + ((r - r0) * Hi + g) * kHeadDim, keys, kPageSize, token_scores);
+            const float* ts = token_scores + ((r - r0) * Hi + g) * kPageSize;
             float best = -std::numeric_limits<float>::infinity();
             bool nan = false;
             for (int t = 0; t < kPageSize; ++t) {
-              nan |= std::isnan(token_scores[t]);
-              best = std::max(best, token_scores[t]);
+              nan |= std::isnan(ts[t]);
+              best = std::max(best, ts[t]);
             }
             scores[((r - r0) * Hi + g) * npages + j] = nan ? std::numeric_limits<float>::quiet_NaN() : best;
           }
