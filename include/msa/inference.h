@@ -170,7 +170,7 @@ struct InferencePlanOptions {
 enum class InferencePhase : uint8_t { prefill, decode };
 
 // Immutable after planning, except for the scratch buffers a run writes: one run at a time
-// per plan.
+// per plan (copies of a plan share its buffers).
 struct InferencePlan {
   InferencePhase phase = InferencePhase::prefill;
   Topology topo;
@@ -228,7 +228,8 @@ void paged_indexer(const InferencePlan& plan, const PagedIndexerParams& p, const
 struct PagedAttentionParams {
   TensorView q;      // [total_q, Hq, 128] bf16 (any row strides, last dim contiguous)
   PagedKvCache kv;
-  TensorView topk;   // [Hkv, total_q, 16] int32 (from paged_indexer); ignored by paged_forward
+  TensorView topk;   // [Hkv, total_q, 16] int32 (from paged_indexer); paged_forward: absent or
+                     //   the indexer's topk
   TensorView out;    // out: [total_q, Hq, 128] bf16 or f32
   TensorView lse;    // out: [total_q, Hq] f32, natural log
 };
