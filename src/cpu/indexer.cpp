@@ -1,9 +1,10 @@
 // Indexer: block-max index scores and the top-k block selection of every (query, index
 // head), plus the optional LSE of the index scores over the selected causal keys.
 //
-// The scores are a causal GEMM: a tile of query rows (all index heads, 64 vectors) times
-// one 128-key block at a time, max-pooled per block in the epilogue. Only per-thread
-// scratch of [64 vectors, blocks] block scores is kept.
+// The scores are a causal GEMM: one 128-key block at a time times a tile of query rows
+// (all index heads: 64 vectors, held transposed so each lane is one vector), max-pooled per
+// block in the epilogue with vertical vector maxima. Only per-thread scratch of
+// [blocks, 64 vectors] block scores is kept.
 #include <algorithm>
 #include <cmath>
 #include <limits>
@@ -75,9 +76,10 @@ void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBloc
   const float scale = topo.indexer_scale();
   const bool want_lse = p.selected_lse.present();
   const float lse_scale = scale / p.lse_temperature;  // index score / temperature per raw dot
+  constexpr int kGroups = kTileVectors / kLanes;      // lane groups of a tile
 
   const KeyBlocks kb = plan_key_blocks(L);
-  const std::vector<float> keys_t = gather_blocks(kb, p.index_k, 0, /*transposed=*/true, threads);  // [blocks][d][t]
+  const std::vector<float> keys = gather_blocks(kb, p.index_k, 0, /*transposed=*/false, threads);  // [blocks][t][d]
 
   // Tasks: tiles of consecutive query rows of one document, most blocks first.
   const int rows_per_tile = kTileVectors / Hi;
@@ -105,10 +107,13 @@ void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBloc
 
 #pragma omp parallel num_threads(threads)
   {
-    std::vector<float> qtile(size_t(kTileVectors) * kDim);          // [vectors][d]
-    std::vector<float> scores(size_t(kTileVectors) * kBlock);       // [vectors][t]
-    std::vector<float> block_score(size_t(kTileVectors * max_blocks));  // [vectors][blocks]
-    std::vector<float> block_lse(want_lse ? size_t(kTileVectors * max_blocks) : 0);
+    // Lane v of a tile is query row v / Hi, index head v % Hi.
+    std::vector<float> qtile_t(size_t(kDim) * kTileVectors);                    // [d][vectors]
+    std::vector<float> scores(size_t(kBlock) * kTileVectors);                   // [t][vectors]
+    std::vector<float> block_score(size_t(max_blocks) * kTileVectors);          // [blocks][vectors]
+    std::vector<float> block_top(want_lse ? size_t(max_blocks) * kTileVectors : 0);  // max of s / T
+    std::vector<float> block_sum(want_lse ? size_t(max_blocks) * kTileVectors : 0);  // Σ exp(s / T - top)
+    std::vector<float> lane_score(static_cast<size_t>(max_blocks));              // one lane's block scores
     std::vector<Ranked> ranked(static_cast<size_t>(K));
 
 #pragma omp for schedule(dynamic, 1)
@@ -119,43 +124,44 @@ void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBloc
       const int vectors = int(rows) * Hi;
       const int64_t first_row = d.q_start + tile.first;
       const int64_t first_pos = d.k_len - d.q_len + tile.first;
-      for (int64_t i = 0; i < int64_t(vectors) * kDim; ++i) qtile[size_t(i)] = bf16_to_float(iq[first_row * Hi * kDim + i]);
+      std::fill(qtile_t.begin(), qtile_t.end(), 0.0f);
+      for (int v = 0; v < vectors; ++v)
+        for (int e = 0; e < kDim; ++e)
+          qtile_t[size_t(e * kTileVectors + v)] = bf16_to_float(iq[(first_row * Hi + v) * kDim + e]);
+      // Causal limit of each lane, relative to the tile's first position (unused lanes: -1).
+      f32x16 limit[kGroups];
+      for (int c = 0; c < kGroups; ++c)
+        for (int l = 0; l < kLanes; ++l) {
+          const int v = c * kLanes + l;
+          limit[c][l] = v < vectors ? float(v / Hi) : -1.0f;
+        }
 
       for (int64_t j = 0; j < tile.blocks; ++j) {
-        gemm<false>(vectors, kBlock, kDim, qtile.data(), kDim, 1,
-                    keys_t.data() + (kb.doc_block[size_t(tile.doc)] + j) * kBlockElems, kBlock, scores.data(), kBlock);
-        for (int v = 0; v < vectors; ++v) {
-          const int64_t pos = first_pos + v / Hi;
-          if (j * kBlock > pos) continue;  // block not visible to this query
-          const int64_t visible = std::min<int64_t>(kBlock, pos - j * kBlock + 1);
-          const float* s = scores.data() + size_t(v) * kBlock;
+        gemm<false>(kBlock, kTileVectors, kDim, keys.data() + (kb.doc_block[size_t(tile.doc)] + j) * kBlockElems, kDim, 1,
+                    qtile_t.data(), kTileVectors, scores.data(), kTileVectors);
+        // Key t of this block is masked for lane v when j*128 + t > first_pos + v / Hi.
+        const int64_t key0 = j * kBlock - first_pos;
+        const bool diagonal = key0 + kBlock - 1 > 0;  // some lane may not see every key
+        for (int c = 0; c < kGroups; ++c) {
           f32x16 m = vsplat(kNegInf);
-          for (int c = 0; c < kBlock; c += kLanes) {
-            f32x16 x = vload(s + c);
-            if (c + kLanes > visible) {
-              for (int l = 0; l < kLanes; ++l)
-                if (c + l >= visible) x[l] = kNegInf;
-            }
+          for (int t = 0; t < kBlock; ++t) {
+            f32x16 x = vload(scores.data() + t * kTileVectors + c * kLanes);
+            if (diagonal) x = vsplat(float(key0 + t)) > limit[c] ? vsplat(kNegInf) : x;
             m = nan_max(m, x);
           }
-          float mx = m[0];
-          for (int l = 1; l < kLanes; ++l) mx = (m[l] > mx || m[l] != m[l]) ? m[l] : mx;
-          block_score[size_t(v * max_blocks + j)] = scale * mx;
+          vstore(block_score.data() + j * kTileVectors + c * kLanes, m * scale);
           if (want_lse) {
-            const float top = lse_scale * mx;
+            const f32x16 top = m * lse_scale;
+            const i32x16 finite = top - top == 0.0f;  // not ±inf, not NaN
+            const f32x16 shift = finite ? top : vsplat(0.0f);
             f32x16 sum{};
-            if (std::isfinite(top)) {
-              for (int c = 0; c < visible; c += kLanes) {
-                f32x16 e = vexp(vload(s + c) * lse_scale - top);
-                if (c + kLanes > visible)
-                  for (int l = 0; l < kLanes; ++l)
-                    if (c + l >= visible) e[l] = 0.0f;
-                sum += e;
-              }
-              block_lse[size_t(v * max_blocks + j)] = top + std::log(hsum(sum));
-            } else {
-              block_lse[size_t(v * max_blocks + j)] = top;  // -inf, +inf or NaN carries through
+            for (int t = 0; t < kBlock; ++t) {
+              f32x16 e = vexp(vload(scores.data() + t * kTileVectors + c * kLanes) * lse_scale - shift);
+              if (diagonal) e = vsplat(float(key0 + t)) > limit[c] ? vsplat(0.0f) : e;
+              sum += e;
             }
+            vstore(block_top.data() + j * kTileVectors + c * kLanes, top);
+            vstore(block_sum.data() + j * kTileVectors + c * kLanes, finite ? sum : vsplat(1.0f));
           }
         }
       }
@@ -165,22 +171,27 @@ void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBloc
         const int g = v % Hi;
         const int64_t nvis = (first_pos + v / Hi) / kBlock + 1;
         int32_t* out = topk + (int64_t(g) * total_q + row) * K;
-        select_row(block_score.data() + size_t(v) * max_blocks, nvis, topo, out, ranked.data());
+        for (int64_t j = 0; j < nvis; ++j) lane_score[size_t(j)] = block_score[size_t(j * kTileVectors + v)];
+        select_row(lane_score.data(), nvis, topo, out, ranked.data());
         if (want_lse) {
-          const float* bl = block_lse.data() + size_t(v) * max_blocks;
+          // LSE of the selected blocks from their (top, sum) pairs.
           float m = kNegInf;
           bool nan = false;
           for (int s = 0; s < K && out[s] >= 0; ++s) {
-            nan |= std::isnan(bl[out[s]]);
-            m = std::max(m, bl[out[s]]);
+            const float top = block_top[size_t(out[s]) * kTileVectors + size_t(v)];
+            nan |= std::isnan(top);
+            m = std::max(m, top);
           }
           float lse = m;
           if (nan) {
             lse = std::numeric_limits<float>::quiet_NaN();
           } else if (std::isfinite(m)) {
-            float sum = 0;
-            for (int s = 0; s < K && out[s] >= 0; ++s) sum += std::exp(bl[out[s]] - m);
-            lse = m + std::log(sum);
+            float total = 0;
+            for (int s = 0; s < K && out[s] >= 0; ++s) {
+              const size_t at = size_t(out[s]) * kTileVectors + size_t(v);
+              total += block_sum[at] * std::exp(block_top[at] - m);
+            }
+            lse = m + std::log(total);
           }
           sel_lse[int64_t(g) * total_q + row] = lse;
         }
