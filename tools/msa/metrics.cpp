@@ -1,5 +1,6 @@
 #include "metrics.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <limits>
@@ -35,6 +36,34 @@ double ErrorStats::cosine() const {
   if (ref2_ == 0 && val2_ == 0) return 1.0;
   if (ref2_ == 0 || val2_ == 0) return 0.0;
   return dot_ / std::sqrt(ref2_ * val2_);
+}
+
+void RowErrors::add(double value, double reference) {
+  if (!std::isfinite(value) || !std::isfinite(reference)) {
+    bad_ = bad_ || !(std::isinf(value) && value == reference);
+    return;
+  }
+  diff2_ += (value - reference) * (value - reference);
+  ref2_ += reference * reference;
+}
+
+void RowErrors::end_row() {
+  diff_norm_.push_back(bad_ ? std::numeric_limits<double>::infinity() : std::sqrt(diff2_));
+  ref_norm_.push_back(std::sqrt(ref2_));
+  diff2_ = ref2_ = 0;
+  bad_ = false;
+}
+
+double RowErrors::worst() const {
+  double mean_square = 0;
+  for (double r : ref_norm_) mean_square += r * r;
+  const double floor = ref_norm_.empty() ? 0.0 : 0.1 * std::sqrt(mean_square / double(ref_norm_.size()));
+  double worst = 0;
+  for (size_t i = 0; i < diff_norm_.size(); ++i) {
+    const double den = std::max({ref_norm_[i], floor, 1e-300});
+    worst = std::max(worst, std::isfinite(diff_norm_[i]) ? diff_norm_[i] / den : diff_norm_[i]);
+  }
+  return worst;
 }
 
 std::string sci(double v) {

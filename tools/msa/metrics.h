@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace msa::tool {
 
@@ -26,6 +27,22 @@ class ErrorStats {
   double atol_, rtol_;
   int64_t count_ = 0, mismatches_ = 0;
   double max_abs_ = 0, diff2_ = 0, ref2_ = 0, val2_ = 0, dot_ = 0;
+};
+
+// Row-by-row relative L2 error: ||x_r - ref_r|| / max(||ref_r||, 0.1 * rms row norm). Whole-
+// tensor measures average a few wrong rows away; the worst row does not. Add a row's values
+// with add(), then call end_row().
+class RowErrors {
+ public:
+  void add(double value, double reference);
+  void end_row();
+  int64_t rows() const { return int64_t(diff_norm_.size()); }
+  double worst() const;
+
+ private:
+  double diff2_ = 0, ref2_ = 0;
+  bool bad_ = false;
+  std::vector<double> diff_norm_, ref_norm_;
 };
 
 // "1.2e-03"
