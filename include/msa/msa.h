@@ -3,6 +3,7 @@
 
 #include "msa/dtype.h"
 #include "msa/error.h"
+#include "msa/inference.h"
 #include "msa/layout.h"
 #include "msa/ops.h"
 #include "msa/tensor.h"
