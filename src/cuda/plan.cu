@@ -334,6 +334,7 @@ void build_plan(const Topology& topo, const PackedLayout& L, const TensorView& t
   MSA_CUDA_CHECK(cudaMemsetAsync(plan.split_slot.data(), 0xff, size_t(plan.split_slot.bytes()), s));
   MSA_CUDA_CHECK(cudaMemsetAsync(plan.row_ptr.data(), 0, size_t(plan.row_ptr.bytes()), s));
   MSA_CUDA_CHECK(cudaMemsetAsync(plan.split_counts.data(), 0, size_t(plan.split_counts.bytes()), s));
+  MSA_CUDA_CHECK(cudaMemsetAsync(plan.schedule.data(), 0xff, size_t(plan.schedule.bytes()), s));
 
   const int64_t schedule_capacity = plan.schedule.view().shape[0];
   state->schedule_capacity = schedule_capacity;

@@ -7,6 +7,8 @@
 #include "cuda/device.cuh"
 
 namespace msa::cuda {
+// Each translation unit gets its own copies of these small kernels.
+namespace {
 
 template <typename T> __device__ __forceinline__ float load_f(const T* p);
 template <> __device__ __forceinline__ float load_f<float>(const float* p) { return *p; }
@@ -98,4 +100,5 @@ __global__ void gather_keys_kernel(const float* __restrict__ row_sums, const Doc
 
 inline int grid_for(int64_t n, int threads) { return int(std::min<int64_t>(ceil_div(n, threads), int64_t(1) << 30)); }
 
+}  // namespace
 }  // namespace msa::cuda

@@ -168,7 +168,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_blocks_kernel(const Indexe
       const bool visible = own_valid && own_pos >= j * 128;
       const float score = a.scale * own_m;
       const bool forced = all_visible || j < init_end || j >= local_begin;
-      const bool candidate = visible && !forced && score == score && (count < slots || score > threshold);
+      const bool candidate = visible && !forced && slots > 0 && score == score && (count < slots || score > threshold);
       const bool need = want_lse && visible && (forced || candidate);
       const int quad = lane & ~3;
       const bool need_a = __shfl_sync(0xffffffffu, need, quad);

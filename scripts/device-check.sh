@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# GPU check of the CUDA backend, meant for a machine with an H100/H200 (sm_90a):
+#   1. configures and builds msa with the CUDA backend (Ninja, CMAKE_CUDA_ARCHITECTURES=90a);
+#   2. runs the GPU tests (GoogleTest filter Gpu*);
+#   3. runs compute-sanitizer memcheck on small GPU cases;
+#   4. runs the GPU benchmark (bench/gpu_bench.cpp) at 4k..128k tokens.
+# Logs go to OUTDIR; a short summary table is printed last.
+#
+# usage: scripts/device-check.sh OUTDIR
+# environment (optional):
+#   MSA_BUILD_DIR      build directory (default /tmp/msa-device-build)
+#   MSA_PREBUILT       directory of an existing build to use instead of building
+#   MSA_JOBS           parallel build jobs (default 16)
+#   MSA_TEST_FILTER    GoogleTest filter (default Gpu*)
+#   MSA_BENCH_TOKENS   comma-separated token counts (default 4096,...,131072; "none" skips)
+#   MSA_BENCH_REPS     timed repetitions per op (default 10)
+#   MSA_SANITIZE       0 skips the memcheck step
+# Dependencies: CUDA toolkit, CMake >= 3.25, Ninja, GoogleTest (installed, or its sources in
+# .deps/googletest or /usr/src/googletest, built here), and the header-only nlohmann_json
+# and CLI11 (installed, or a prefix in .deps/prefix).
+set -u -o pipefail
+OUT=${1:?usage: scripts/device-check.sh OUTDIR}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+BUILD=${MSA_BUILD_DIR:-/tmp/msa-device-build}
+JOBS=${MSA_JOBS:-16}
+FILTER=${MSA_TEST_FILTER:-Gpu*}
+TOKENS=${MSA_BENCH_TOKENS:-4096,8192,16384,32768,65536,131072}
+REPS=${MSA_BENCH_REPS:-10}
+mkdir -p "$OUT"
+SUMMARY="$OUT/summary.txt"
+: > "$SUMMARY"
+T0=$(date +%s)
+note() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$SUMMARY"; }
+export PATH=/usr/local/cuda/bin:$PATH
+
+note "device: $(nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.max.sm --format=csv,noheader 2>/dev/null | head -1)"
+note "nvcc: $(nvcc --version 2>/dev/null | tail -1), cmake: $(cmake --version | head -1)"
+
+BIN=""
+if [ -n "${MSA_PREBUILT:-}" ]; then
+  BIN=$MSA_PREBUILT
+  note "using the prebuilt tree $BIN"
+else
+  PREFIXES=""
+  [ -d "$ROOT/.deps/prefix" ] && PREFIXES="$ROOT/.deps/prefix"
+  if [ ! -f /usr/include/gtest/gtest.h ] && [ ! -f /usr/local/include/gtest/gtest.h ]; then
+    GTEST_SRC=""
+    for d in "${GTEST_SOURCE_DIR:-}" "$ROOT/.deps/googletest" /usr/src/googletest; do
+      if [ -n "$d" ] && [ -f "$d/CMakeLists.txt" ]; then GTEST_SRC=$d; break; fi
+    done
+    if [ -z "$GTEST_SRC" ]; then note "FAIL: GoogleTest is neither installed nor available as source"; exit 1; fi
+    note "building GoogleTest from $GTEST_SRC"
+    cmake -S "$GTEST_SRC" -B "$BUILD/gtest-build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_GMOCK=OFF \
+      -DCMAKE_INSTALL_PREFIX="$BUILD/gtest-install" > "$OUT/build.log" 2>&1 &&
+      ninja -C "$BUILD/gtest-build" -j "$JOBS" install >> "$OUT/build.log" 2>&1 ||
+      { note "FAIL: GoogleTest build (see build.log)"; tail -20 "$OUT/build.log"; exit 1; }
+    PREFIXES="$PREFIXES;$BUILD/gtest-install"
+  fi
+  note "configuring"
+  cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMSA_ENABLE_CUDA=ON \
+    -DCMAKE_CUDA_ARCHITECTURES=90a -DMSA_BUILD_PYTHON=OFF -DCMAKE_PREFIX_PATH="$PREFIXES" >> "$OUT/build.log" 2>&1 ||
+    { note "FAIL: configure (see build.log)"; tail -30 "$OUT/build.log"; exit 1; }
+  note "building msa_tests and msa_gpu_bench with $JOBS jobs"
+  ninja -C "$BUILD" -j "$JOBS" msa_tests msa_gpu_bench >> "$OUT/build.log" 2>&1 ||
+    { note "FAIL: build (see build.log)"; grep -E "error|FAILED" "$OUT/build.log" | head -30; exit 1; }
+  BIN=$BUILD
+  note "built"
+fi
+TESTS="$BIN/tests/msa_tests"
+BENCH="$BIN/src/cuda/msa_gpu_bench"
+
+# GPU tests (from the repository root, where tests/data lives).
+cd "$ROOT"
+timeout 300 "$TESTS" --gtest_filter="$FILTER" --gtest_output="xml:$OUT/gpu_tests.xml" > "$OUT/gpu_tests.log" 2>&1
+TEST_RC=$?
+PASSED=$(grep -c "^\[       OK \]" "$OUT/gpu_tests.log")
+FAILED=$(grep -c "^\[  FAILED  \] [A-Za-z]*\.[A-Za-z]* (" "$OUT/gpu_tests.log")
+SKIPPED=$(grep -c "^\[  SKIPPED \] [A-Za-z]*\." "$OUT/gpu_tests.log")
+note "GPU tests: rc $TEST_RC, $PASSED passed, $FAILED failed, $SKIPPED skipped"
+grep -E "^\[  FAILED  \]|Failure|error:" "$OUT/gpu_tests.log" | head -20 | tee -a "$SUMMARY"
+
+# Memory checker on small cases.
+if [ "${MSA_SANITIZE:-1}" != "0" ] && command -v compute-sanitizer > /dev/null; then
+  timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 "$TESTS" \
+    --gtest_filter='GpuForward.TopologiesOutputTypesAndItemSizes:GpuBackward.TopologiesAndFloat32:GpuKl.TopologiesGradScaleAndBf16:GpuIndexer.TiesPreferLowerBlockIds:GpuPlan.InvalidSelectionIsFlaggedAndPoisonsOutputs:GpuMergeStates.*' \
+    > "$OUT/memcheck.log" 2>&1
+  note "compute-sanitizer memcheck: rc $? ($(grep -m1 "ERROR SUMMARY" "$OUT/memcheck.log"))"
+fi
+
+# Benchmark.
+if [ "$TOKENS" != "none" ]; then
+  timeout 300 "$BENCH" --tokens "$TOKENS" --reps "$REPS" --out "$OUT/bench.csv" > "$OUT/bench.log" 2>&1
+  note "benchmark: rc $?"
+fi
+note "done"
+echo
+cat "$SUMMARY"
+echo
+[ -f "$OUT/bench.log" ] && sed -n '/^ *tokens/,$p' "$OUT/bench.log"
+exit $TEST_RC

@@ -1,0 +1,194 @@
+// Sparse attention forward and backward on the GPU against the CPU backend, on the same
+// selection (the CPU indexer's) and, for the backward, the same forward outputs.
+#include "test_gpu_shapes.h"
+#include "test_gpu_support.h"
+
+namespace msa::test {
+namespace {
+
+// Forward: out relative L2 < 1e-2 against the CPU output, LSE atol = rtol = 1e-3, rows
+// without keys exactly (0, -inf), every element written.
+void check_forward_against_cpu(std::mt19937_64& rng, const Topology& topo, const PackedLayout& L,
+                               DType out_dtype = DType::bf16, int q_per_cta = 8) {
+  AttentionCase c = make_case(rng, topo, L);
+  const ForwardOutputs want = run_forward(c, out_dtype);
+  DeviceTensor q(c.q), k(c.k), v(c.v), topk(c.topk);
+  PlanOptions options;
+  options.q_per_cta = q_per_cta;
+  const SparsePlan plan = build_plan(topo, L, topk.view(), options);
+  const ForwardOutputs got = gpu_forward(c, plan, q, k, v, topk, out_dtype);
+  const auto go = got.out.floats(), gl = got.lse.floats(), wo = want.out.floats(), wl = want.lse.floats();
+  ASSERT_EQ(count_nan(go), 0) << "out holds NaN: not every element was written";
+  ASSERT_EQ(count_nan(gl), 0) << "lse holds NaN: not every element was written";
+  std::vector<float> lg;
+  std::vector<double> lw;
+  int64_t empty = 0;
+  for (size_t i = 0; i < wl.size(); ++i) {
+    if (std::isinf(wl[i])) {
+      ++empty;
+      ASSERT_TRUE(std::isinf(gl[i]) && gl[i] < 0) << "row-head " << i << " has no keys: lse must be -inf, got " << gl[i];
+      for (int e = 0; e < 128; ++e) ASSERT_EQ(go[i * 128 + size_t(e)], 0.0f) << "row-head " << i << " has no keys";
+      continue;
+    }
+    lg.push_back(gl[i]);
+    lw.push_back(wl[i]);
+  }
+  ::testing::Test::RecordProperty("empty_rows", std::to_string(empty));
+  expect_rel_l2("out", go, doubles(wo), 1e-2);
+  expect_close("out", go, doubles(wo), 3e-2, 3e-2, 128);
+  expect_close("lse", lg, lw, 1e-3, 1e-3);
+}
+
+TEST(GpuForward, EdgeCaseLayouts) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  for (const auto& s : edge_layouts()) {
+    SCOPED_TRACE(s.name);
+    check_forward_against_cpu(rng, Topology(), s.layout);
+  }
+}
+
+TEST(GpuForward, RealShapes) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  for (const auto& s : real_layouts(6144, 6144)) {
+    SCOPED_TRACE(s.name);
+    check_forward_against_cpu(rng, Topology(), s.layout);
+  }
+}
+
+TEST(GpuForward, TopologiesOutputTypesAndItemSizes) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  const PackedLayout L = layout_of({2500, 700, 33}, {2600, 2000, 33});
+  check_forward_against_cpu(rng, Topology::minimax_m3(2), L);
+  check_forward_against_cpu(rng, Topology::minimax_m3(4), L, DType::f32);
+  check_forward_against_cpu(rng, Topology(), L, DType::bf16, 3);
+  check_forward_against_cpu(rng, Topology(), L, DType::f32, 20);
+  Topology forced;
+  forced.init_blocks = 2;
+  forced.local_blocks = 3;
+  check_forward_against_cpu(rng, forced, L);
+}
+
+// ---- backward ------------------------------------------------------------------------------
+
+struct GpuGrads {
+  HostTensor dq, dk, dv;
+};
+
+GpuGrads gpu_backward(const AttentionCase& c, const SparsePlan& plan, const DeviceTensor& q, const DeviceTensor& k,
+                      const DeviceTensor& v, const DeviceTensor& topk, const DeviceTensor& out, const DeviceTensor& lse,
+                      const DeviceTensor& dout, bool deterministic, DType grad_dtype = DType::bf16) {
+  const int64_t Tq = c.layout.total_q(), Tk = c.layout.total_k();
+  DeviceTensor dq(grad_dtype, {Tq, c.topo.num_q_heads, 128}), dk(grad_dtype, {Tk, c.topo.num_kv_heads, 128}),
+      dv(grad_dtype, {Tk, c.topo.num_kv_heads, 128});
+  dq.poison();
+  dk.poison();
+  dv.poison();
+  AttentionBackwardParams p;
+  p.q = q.view();
+  p.k = k.view();
+  p.v = v.view();
+  p.topk = topk.view();
+  p.out = out.view();
+  p.lse = lse.view();
+  p.dout = dout.view();
+  p.dq = dq.view();
+  p.dk = dk.view();
+  p.dv = dv.view();
+  RunOptions opt;
+  opt.deterministic = deterministic;
+  sparse_attention_backward(c.topo, c.layout, plan, p, opt);
+  return {dq.host(), dk.host(), dv.host()};
+}
+
+void expect_grad(const char* what, const HostTensor& got, const HostTensor& want) {
+  expect_gradient(what, got.floats(), doubles(want.floats()));
+}
+
+void check_backward_against_cpu(std::mt19937_64& rng, const Topology& topo, const PackedLayout& L,
+                                DType grad_dtype = DType::bf16, DType dout_dtype = DType::bf16) {
+  AttentionCase c = make_case(rng, topo, L);
+  const ForwardOutputs fwd = run_forward(c);
+  const HostTensor dout = random_tensor(rng, {L.total_q(), topo.num_q_heads, 128}, 0.2f, dout_dtype);
+  const BackwardOutputs want = run_backward(c, fwd, dout, grad_dtype);
+  DeviceTensor q(c.q), k(c.k), v(c.v), topk(c.topk), out(fwd.out), lse(fwd.lse), ddout(dout);
+  const SparsePlan plan = build_plan(topo, L, topk.view());
+  for (bool det : {false, true}) {
+    SCOPED_TRACE(det ? "deterministic" : "atomic");
+    const GpuGrads got = gpu_backward(c, plan, q, k, v, topk, out, lse, ddout, det, grad_dtype);
+    expect_grad("dq", got.dq, want.dq);
+    expect_grad("dk", got.dk, want.dk);
+    expect_grad("dv", got.dv, want.dv);
+  }
+}
+
+TEST(GpuBackward, EdgeCaseLayouts) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  for (const auto& s : edge_layouts()) {
+    if (s.name == "single token" || s.name == "long document") continue;  // covered elsewhere / slow on the CPU
+    SCOPED_TRACE(s.name);
+    check_backward_against_cpu(rng, Topology(), s.layout);
+  }
+}
+
+TEST(GpuBackward, RealShapes) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  const auto shapes = real_layouts(3072, 3072);
+  for (size_t i = 0; i < shapes.size(); i += 2) {  // every other shape keeps the CPU reference quick
+    SCOPED_TRACE(shapes[i].name);
+    check_backward_against_cpu(rng, Topology(), shapes[i].layout);
+  }
+}
+
+TEST(GpuBackward, TopologiesAndFloat32) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  const PackedLayout L = layout_of({2300, 400}, {2300, 1900});
+  check_backward_against_cpu(rng, Topology::minimax_m3(2), L, DType::f32, DType::f32);
+  Topology forced;
+  forced.init_blocks = 1;
+  forced.local_blocks = 2;
+  check_backward_against_cpu(rng, forced, L);
+}
+
+TEST(GpuBackward, DeterministicModeIsBitwiseReproducible) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  const Topology topo;
+  const PackedLayout L = layout_of({4000, 1500, 3});
+  AttentionCase c = make_case(rng, topo, L);
+  const ForwardOutputs fwd = run_forward(c);
+  const HostTensor dout = random_tensor(rng, {L.total_q(), 64, 128});
+  DeviceTensor q(c.q), k(c.k), v(c.v), topk(c.topk), out(fwd.out), lse(fwd.lse), ddout(dout);
+  const SparsePlan plan = build_plan(topo, L, topk.view());
+  const GpuGrads first = gpu_backward(c, plan, q, k, v, topk, out, lse, ddout, true, DType::f32);
+  for (int i = 0; i < 10; ++i) {
+    const GpuGrads again = gpu_backward(c, plan, q, k, v, topk, out, lse, ddout, true, DType::f32);
+    ASSERT_TRUE(bitwise_equal(again.dq, first.dq)) << "repeat " << i;
+    ASSERT_TRUE(bitwise_equal(again.dk, first.dk)) << "repeat " << i;
+    ASSERT_TRUE(bitwise_equal(again.dv, first.dv)) << "repeat " << i;
+  }
+}
+
+TEST(GpuForward, RepeatedRunsAreBitwiseIdentical) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  const Topology topo;
+  const PackedLayout L = layout_of({4000, 1500});
+  AttentionCase c = make_case(rng, topo, L);
+  DeviceTensor q(c.q), k(c.k), v(c.v), topk(c.topk);
+  const SparsePlan plan = build_plan(topo, L, topk.view());
+  const ForwardOutputs first = gpu_forward(c, plan, q, k, v, topk);
+  for (int i = 0; i < 10; ++i) {
+    const ForwardOutputs again = gpu_forward(c, plan, q, k, v, topk);
+    ASSERT_TRUE(bitwise_equal(again.out, first.out));
+    ASSERT_TRUE(bitwise_equal(again.lse, first.lse));
+  }
+}
+
+}  // namespace
+}  // namespace msa::test

@@ -1,0 +1,175 @@
+// select_blocks on the GPU against the CPU backend. Selections must be equal; a row may
+// differ only at a near-tie of block scores (fp32 sums in another order), which is checked
+// against the float64 oracle's scores. The selected LSE is compared where the rows agree.
+#include "test_gpu_shapes.h"
+#include "test_gpu_support.h"
+
+namespace msa::test {
+namespace {
+
+struct IndexerInputs {
+  HostTensor iq, ik;
+};
+
+IndexerInputs random_inputs(std::mt19937_64& rng, const Topology& topo, const PackedLayout& L) {
+  return {random_tensor(rng, {L.total_q(), topo.num_index_heads, topo.index_head_dim}),
+          random_tensor(rng, {L.total_k(), 1, topo.index_head_dim})};
+}
+
+// Compares GPU and CPU selections row by row; `same` marks the rows that are identical.
+void compare_selections(const Topology& topo, const PackedLayout& L, const IndexerInputs& in, const HostTensor& got,
+                        const HostTensor& want, double tie_tolerance, std::vector<char>& same) {
+  const int K = topo.topk, Hi = topo.num_index_heads;
+  const auto g = got.ints(), w = want.ints();
+  same.assign(size_t(Hi * L.total_q()), 1);
+  int64_t differing = 0;
+  std::vector<float> iqf, ikf;
+  const auto docs = oracle_docs(L);
+  for (int h = 0; h < Hi; ++h)
+    for (int b = 0; b < L.num_documents(); ++b) {
+      const DocumentSpan& d = L.document(b);
+      for (int64_t i = 0; i < d.q_len; ++i) {
+        const int64_t r = int64_t(h) * L.total_q() + d.q_start + i;
+        const std::vector<int32_t> gr(g.begin() + r * K, g.begin() + (r + 1) * K), wr(w.begin() + r * K, w.begin() + (r + 1) * K);
+        for (int32_t x : gr) ASSERT_NE(x, kIntPoison) << "topk row " << r << " was not written";
+        if (gr == wr) continue;
+        same[size_t(r)] = 0;
+        ++differing;
+        // A near-tie: same forced blocks, and every block the GPU ranked scores within the
+        // tolerance of the weakest block the CPU ranked (scores from the float64 oracle).
+        if (iqf.empty()) {
+          iqf = in.iq.floats();
+          ikf = in.ik.floats();
+        }
+        const oracle::RowSelection sel = oracle::select_row(topo, docs[size_t(b)], i, h, iqf.data(), ikf.data());
+        double weakest = std::numeric_limits<double>::infinity();
+        for (int32_t id : sel.ranked) weakest = std::min(weakest, sel.block_scores[size_t(id)]);
+        const size_t ni = sel.forced_init.size(), nr = sel.ranked.size(), nl = sel.forced_local.size();
+        ASSERT_EQ(std::vector<int32_t>(gr.begin(), gr.begin() + long(ni)), sel.forced_init) << "row " << r;
+        ASSERT_EQ(std::vector<int32_t>(gr.begin() + long(ni + nr), gr.begin() + long(ni + nr + nl)), sel.forced_local)
+            << "row " << r << ": local blocks must close the valid prefix";
+        std::set<int32_t> seen;
+        for (size_t s = ni; s < ni + nr; ++s) {
+          const int32_t id = gr[s];
+          ASSERT_TRUE(id >= 0 && seen.insert(id).second) << "row " << r << " slot " << s << " id " << id;
+          EXPECT_GE(sel.block_scores[size_t(id)], weakest - tie_tolerance)
+              << "row " << r << ": block " << id << " is not a near-tie of the CPU's selection";
+        }
+      }
+    }
+  ::testing::Test::RecordProperty("rows_differing_at_ties", std::to_string(differing));
+  EXPECT_LE(differing, std::max<int64_t>(2, Hi * L.total_q() / 100)) << "too many rows differ from the CPU";
+}
+
+void compare_lse(const HostTensor& got, const HostTensor& want, const std::vector<char>& same) {
+  const auto g = got.floats(), w = want.floats();
+  std::vector<float> gs;
+  std::vector<double> ws;
+  for (size_t i = 0; i < g.size(); ++i) {
+    ASSERT_FALSE(std::isnan(g[i]) && !std::isnan(w[i])) << "selected_lse[" << i << "] not written or NaN";
+    if (!same[i] || std::isnan(w[i])) continue;
+    gs.push_back(g[i]);
+    ws.push_back(w[i]);
+  }
+  expect_close("selected_lse", gs, ws, 2e-3, 2e-3);
+}
+
+void check_indexer(std::mt19937_64& rng, const Topology& topo, const PackedLayout& L, float temperature = 1.0f) {
+  const IndexerInputs in = random_inputs(rng, topo, L);
+  const Selection gpu = gpu_select(topo, L, in.iq, in.ik, true, temperature);
+  const Selection cpu = cpu_select(topo, L, in.iq, in.ik, true, temperature);
+  std::vector<char> same;
+  compare_selections(topo, L, in, gpu.topk, cpu.topk, 5e-3, same);
+  compare_lse(gpu.lse, cpu.lse, same);
+}
+
+TEST(GpuIndexer, EdgeCaseLayouts) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  for (const auto& s : edge_layouts()) {
+    SCOPED_TRACE(s.name);
+    check_indexer(rng, Topology(), s.layout);
+  }
+}
+
+TEST(GpuIndexer, RealShapes) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  for (const auto& s : real_layouts(8192, 8192)) {
+    SCOPED_TRACE(s.name);
+    check_indexer(rng, Topology(), s.layout);
+  }
+}
+
+TEST(GpuIndexer, TensorParallelTopologiesAndTemperature) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  const PackedLayout L = layout_of({3000, 2200, 90});
+  for (int tp : {1, 2, 4}) {
+    SCOPED_TRACE("tp " + std::to_string(tp));
+    check_indexer(rng, Topology::minimax_m3(tp), L, tp == 2 ? 0.5f : 1.0f);
+  }
+}
+
+TEST(GpuIndexer, InitAndLocalForcing) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  const PackedLayout L = layout_of({4000, 300}, {4000, 2500});
+  for (auto [init, local] : {std::pair{0, 2}, std::pair{2, 1}, std::pair{3, 4}, std::pair{8, 8}, std::pair{0, 16}}) {
+    SCOPED_TRACE("init " + std::to_string(init) + " local " + std::to_string(local));
+    Topology topo;
+    topo.init_blocks = init;
+    topo.local_blocks = local;
+    check_indexer(rng, topo, L);
+  }
+}
+
+TEST(GpuIndexer, TiesPreferLowerBlockIds) {
+  MSA_REQUIRE_GPU();
+  // All-zero index vectors: every score ties, so the 15 lowest ids win (spec §3.3).
+  const Topology topo;
+  const PackedLayout L = layout_of({2304, 700});
+  HostTensor iq(DType::bf16, {L.total_q(), 4, 128}), ik(DType::bf16, {L.total_k(), 1, 128});
+  const Selection gpu = gpu_select(topo, L, iq, ik);
+  const Selection cpu = cpu_select(topo, L, iq, ik);
+  EXPECT_EQ(gpu.topk.ints(), cpu.topk.ints());
+  const auto ids = gpu.topk.ints();
+  const std::vector<int32_t> last(ids.begin() + 2303 * 16, ids.begin() + 2304 * 16);
+  EXPECT_EQ(last, (std::vector<int32_t>{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 17}));
+  compare_lse(gpu.lse, cpu.lse, std::vector<char>(size_t(4 * L.total_q()), 1));
+}
+
+TEST(GpuIndexer, NanScoresAreNeverSelected) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  const Topology topo;
+  const PackedLayout L = layout_of({4000});
+  IndexerInputs in = random_inputs(rng, topo, L);
+  // NaN keys in a few blocks; those blocks score NaN for every query that sees the key.
+  for (int64_t t : {130, 1000, 1001, 2600, 3999}) in.ik.set(t * 128 + 7, std::numeric_limits<float>::quiet_NaN());
+  const Selection gpu = gpu_select(topo, L, in.iq, in.ik);
+  const Selection cpu = cpu_select(topo, L, in.iq, in.ik);
+  std::vector<char> same;
+  compare_selections(topo, L, in, gpu.topk, cpu.topk, 5e-3, same);
+  const auto g = gpu.lse.floats(), w = cpu.lse.floats();
+  for (size_t i = 0; i < g.size(); ++i)
+    if (same[i]) ASSERT_EQ(std::isnan(g[i]), std::isnan(w[i])) << "selected_lse NaN pattern differs at " << i;
+  compare_lse(gpu.lse, cpu.lse, same);
+}
+
+TEST(GpuIndexer, RepeatedRunsAreBitwiseIdentical) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  const Topology topo;
+  const PackedLayout L = layout_of({5000, 1234});
+  const IndexerInputs in = random_inputs(rng, topo, L);
+  const Selection first = gpu_select(topo, L, in.iq, in.ik);
+  for (int i = 0; i < 10; ++i) {
+    const Selection again = gpu_select(topo, L, in.iq, in.ik);
+    ASSERT_TRUE(bitwise_equal(again.topk, first.topk));
+    ASSERT_TRUE(bitwise_equal(again.lse, first.lse));
+  }
+}
+
+}  // namespace
+}  // namespace msa::test

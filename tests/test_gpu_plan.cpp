@@ -1,0 +1,92 @@
+// build_plan on the GPU against the CPU plan of the same selection: every buffer equal,
+// including the schedule's order and its -1 tail; invalid selections flagged on the device.
+#include "test_gpu_shapes.h"
+#include "test_gpu_support.h"
+
+namespace msa::test {
+namespace {
+
+std::vector<int32_t> host_ints(const Buffer& b) {
+  const TensorView v = b.view();
+  const auto* p = v.as<const int32_t>();
+  return std::vector<int32_t>(p, p + v.numel());
+}
+
+void compare_plans(const Topology& topo, const PackedLayout& L, const HostTensor& topk, int q_per_cta) {
+  SCOPED_TRACE("q_per_cta " + std::to_string(q_per_cta));
+  PlanOptions options;
+  options.q_per_cta = q_per_cta;
+  const SparsePlan cpu = build_plan(topo, L, topk.view(), options);
+  DeviceTensor dtopk(topk);
+  const SparsePlan gpu = build_plan(topo, L, dtopk.view(), options);
+  EXPECT_EQ(gpu.device, kGpu);
+  EXPECT_EQ(gpu.work_count, -1) << "device plans leave the host work count unknown";
+  EXPECT_EQ(device_ints(gpu.status), (std::vector<int32_t>{0, 0, 0, 0}));
+  EXPECT_EQ(device_ints(gpu.rows), host_ints(cpu.rows));
+  EXPECT_EQ(device_ints(gpu.row_ptr), host_ints(cpu.row_ptr));
+  EXPECT_EQ(device_ints(gpu.q_indices), host_ints(cpu.q_indices));
+  EXPECT_EQ(device_ints(gpu.split_slot), host_ints(cpu.split_slot));
+  EXPECT_EQ(device_ints(gpu.split_counts), host_ints(cpu.split_counts));
+  EXPECT_EQ(device_ints(gpu.work_count_dev), host_ints(cpu.work_count_dev));
+  EXPECT_EQ(device_ints(gpu.schedule), host_ints(cpu.schedule)) << "schedule entries and order must match the CPU";
+}
+
+TEST(GpuPlan, MatchesCpuPlanOnEdgeAndRealShapes) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  const Topology topo;
+  std::vector<NamedLayout> shapes = edge_layouts();
+  for (auto& s : real_layouts(4096, 6000)) shapes.push_back(std::move(s));
+  for (const auto& s : shapes) {
+    SCOPED_TRACE(s.name);
+    const HostTensor topk = library_selection(rng, topo, s.layout);
+    compare_plans(topo, s.layout, topk, 8);
+    if (&s == &shapes.back() || s.name == "long document") {
+      compare_plans(topo, s.layout, topk, 5);
+      compare_plans(topo, s.layout, topk, 64);
+      compare_plans(topo, s.layout, topk, 1);
+    }
+  }
+}
+
+TEST(GpuPlan, HistoryInAnyOrderAndPartialSelections) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  Topology topo = Topology::minimax_m3(2);
+  const PackedLayout L = layout_of({3000, 700, 5});
+  HostTensor topk = library_selection(rng, topo, L);
+  // Shuffle the valid prefix of every row and drop some entries (a valid, shorter prefix).
+  auto* ids = topk.data<int32_t>();
+  std::uniform_int_distribution<int> coin(0, 3);
+  for (int64_t r = 0; r < topo.num_kv_heads * L.total_q(); ++r) {
+    int32_t* row = ids + r * 16;
+    int n = 0;
+    while (n < 16 && row[n] >= 0) ++n;
+    std::shuffle(row, row + n, rng);
+    if (coin(rng) == 0 && n > 1) row[n - 1] = -1;
+  }
+  compare_plans(topo, L, topk, 8);
+}
+
+TEST(GpuPlan, InvalidSelectionIsFlaggedAndPoisonsOutputs) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  const Topology topo;
+  const PackedLayout L = layout_of({600, 300});
+  HostTensor topk = library_selection(rng, topo, L);
+  // Query 5 of document 0 sees block 0 only: block 3 is in its future.
+  topk.data<int32_t>()[(2 * L.total_q() + 5) * 16 + 1] = 3;
+  DeviceTensor dtopk(topk);
+  const SparsePlan plan = build_plan(topo, L, dtopk.view());
+  EXPECT_EQ(device_ints(plan.status), (std::vector<int32_t>{1, 2, 5, 1})) << "status = (1, head, row, slot)";
+  AttentionCase c{topo, L, random_tensor(rng, {L.total_q(), 64, 128}), random_tensor(rng, {L.total_k(), 4, 128}),
+                  random_tensor(rng, {L.total_k(), 4, 128}), HostTensor(topk), SparsePlan{}};
+  DeviceTensor q(c.q), k(c.k), v(c.v);
+  const ForwardOutputs o = gpu_forward(c, plan, q, k, v, dtopk);
+  const auto out = o.out.floats(), lse = o.lse.floats();
+  EXPECT_EQ(count_nan(out), int64_t(out.size())) << "an invalid plan must give NaN outputs, not a plausible result";
+  EXPECT_EQ(count_nan(lse), int64_t(lse.size()));
+}
+
+}  // namespace
+}  // namespace msa::test
