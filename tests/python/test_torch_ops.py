@@ -160,3 +160,14 @@ def test_pack_and_unpack_helpers():
     assert back.view(-1).tolist() == [0.0, 2.0, 0.0, 6.0, 8.0, 10.0]
     back.sum().backward()
     assert x.grad.view(-1).tolist() == [2.0, 2.0, 0.0, 2.0, 2.0, 2.0]
+
+
+def test_functional_api_takes_torch_tensors():
+    x = inputs()
+    layout = msa.make_layout(CU)
+    topk, index_lse, plan = msa.prepare(x["iq"], x["ik"], layout)
+    assert isinstance(topk, torch.Tensor) and topk.dtype == torch.int32
+    out, lse = msa.forward(x["q"], x["k"], x["v"], topk, layout, plan, out_dtype="bfloat16")
+    assert out.dtype == torch.bfloat16
+    want, _ = mt.sparse_attention(x["q"], x["k"], x["v"], topk, x["cu"], return_lse=True)
+    assert torch.equal(out, want)
