@@ -217,7 +217,7 @@ def run_case(t, coherent, args, gen):
         records.append(dict(T=t, selection=dist, method="msa indexer", direction="fwd", ms=ms,
                             own_tflops=2.0 * 128 * HKV * t * (t + 1) / 2 / ms / 1e9))
         print(f"    {'msa indexer':<22} fwd  {ms:9.3f} ms  own {records[-1]['own_tflops']:7.1f} TFLOP/s", flush=True)
-    del outs
+    outs = None  # free before the peers run
 
     # Peers take [1, H, T, 128].
     peer_sets = [dict(q=s["q"].transpose(0, 1)[None].contiguous().requires_grad_(),
@@ -280,7 +280,7 @@ def run_case(t, coherent, args, gen):
         attn = try_run("dense mask setup", mask_setup)
         if attn is not None:
             bench_peer("sdpa dense mask", attn, dense_fwd_flops, allow_bwd=args.dense_mask_bwd)
-    del peer_sets, sets
+    peer_sets = sets = None
     torch.cuda.empty_cache()
 
     by = {(r["method"], r["direction"]): r["ms"] for r in records}

@@ -5,7 +5,7 @@ sparse attention layer with a dense float32 reference of the same layer.
 Importing this module registers the ops under the ``msa`` namespace (torch.ops.msa.*).
 """
 
-from . import _ops
+from . import _ops  # noqa: F401  (registers torch.ops.msa.*)
 from .functional import (
     PackingIndex,
     attach_loss,

@@ -6,7 +6,6 @@ by cu_seqlens (lists or int32 CPU tensors). Selection is not differentiable; att
 (dq, dk, dv); the index projections learn through ``indexer_kl_loss``.
 """
 
-from typing import Optional
 
 import numpy as np
 import torch
