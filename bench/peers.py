@@ -217,7 +217,7 @@ def run_case(t, coherent, args, gen):
         records.append(dict(T=t, selection=dist, method="msa indexer", direction="fwd", ms=ms,
                             own_tflops=2.0 * 128 * HKV * t * (t + 1) / 2 / ms / 1e9))
         print(f"    {'msa indexer':<22} fwd  {ms:9.3f} ms  own {records[-1]['own_tflops']:7.1f} TFLOP/s", flush=True)
-    outs = None  # free before the peers run
+    outs = plan = None  # free the outputs and the plan's scratch before the peers run
 
     # Peers take [1, H, T, 128].
     peer_sets = [dict(q=s["q"].transpose(0, 1)[None].contiguous().requires_grad_(),
