@@ -127,3 +127,18 @@ def test_bf16_parameters():
     assert y.dtype == torch.bfloat16 and torch.isfinite(y.float()).all()
     y.float().sum().backward()
     assert layer.qkv_proj.weight.grad.dtype == torch.bfloat16
+
+
+def test_layer_compiles_in_one_graph_with_a_packing_index():
+    layer, _ = make_pair(6)
+    x = torch.randn(2, 320, 256)
+    packing = mt.PackingIndex(2, 320, document_map=DOC)  # host-side work outside the compiled region
+    want = layer(x, packing=packing)
+    want.square().sum().backward()
+    want_grad = layer.qkv_proj.weight.grad.clone()
+    layer.zero_grad()
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    got = compiled(x, packing=packing)
+    got.square().sum().backward()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(layer.qkv_proj.weight.grad, want_grad, rtol=1e-4, atol=1e-6)

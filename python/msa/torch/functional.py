@@ -119,13 +119,10 @@ class PackingIndex:
             gather = np.arange(self.layout.total_q)
             self.all_real = self.layout.total_q == batch * seq
         self.batch, self.seq = batch, seq
+        self.total = int(self.layout.total_q)  # a plain int: torch.compile reads it as a constant
         self.cu_seqlens = torch.from_numpy(np.asarray(self.layout.cu_seqlens_q, dtype=np.int32))
         self.gather = torch.from_numpy(gather.astype(np.int64)).to(device)
         self.positions = torch.from_numpy(np.asarray(self.layout.query_positions, dtype=np.int32)).to(device)
-
-    @property
-    def total(self) -> int:
-        return self.layout.total_q
 
     def pack(self, x: Tensor) -> Tensor:
         """[batch, seq, ...] -> [tokens, ...]."""
