@@ -132,6 +132,22 @@ TEST(AttentionForward, AllRowsEmpty) {
   for (float x : o.lse.floats()) ASSERT_TRUE(std::isinf(x) && x < 0) << x;
 }
 
+TEST(AttentionForward, NoQueriesAtAll) {
+  // Keys but no queries anywhere: every op accepts the empty tensors and writes nothing.
+  std::mt19937_64 rng(11);
+  const Topology topo;
+  const PackedLayout L = layout_of({0, 0}, {5, 300});
+  ASSERT_EQ(L.total_q(), 0);
+  const AttentionCase c = make_case(rng, topo, L);
+  EXPECT_EQ(c.plan.work_count, 0);
+  const ForwardOutputs o = run_forward(c);
+  EXPECT_EQ(o.out.numel(), 0);
+  const HostTensor dout(DType::bf16, {0, 64, 128});
+  const BackwardOutputs g = run_backward(c, o, dout);
+  for (float x : g.dk.floats()) ASSERT_EQ(x, 0.0f) << "keys nobody attends get zero gradient";
+  for (float x : g.dv.floats()) ASSERT_EQ(x, 0.0f) << "keys nobody attends get zero gradient";
+}
+
 TEST(AttentionForward, RepeatedRunsAreBitwiseIdentical) {
   MSA_SEEDED_RNG(rng);
   const AttentionCase c = make_case(rng, Topology{}, layout_of({100, 40}, {2200, 40}));

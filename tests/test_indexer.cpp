@@ -316,6 +316,22 @@ TEST(Indexer, IndexScaleChangesOnlyTheLse) {
   check_selection(Topology{}, L, in, base.topk);
 }
 
+TEST(Indexer, SelectedLseIsOptional) {
+  MSA_SEEDED_RNG(rng);
+  const Topology topo;
+  const PackedLayout L = layout_of({2100, 40});
+  const Inputs in = random_inputs(rng, topo, L);
+  const IndexerOutputs with_lse = run_indexer(topo, L, in.index_q, in.index_k);
+  HostTensor topk(DType::i32, {4, L.total_q(), 16});
+  poison(topk);
+  SelectBlocksParams p;
+  p.index_q = in.index_q.view();
+  p.index_k = in.index_k.view();
+  p.topk = topk.view();
+  select_blocks(topo, L, p);
+  EXPECT_EQ(topk.ints(), with_lse.topk.ints());
+}
+
 TEST(Indexer, RepeatedRunsAreBitwiseIdentical) {
   MSA_SEEDED_RNG(rng);
   const Topology topo;
