@@ -4,6 +4,7 @@ selection, dq / dk / dv and the indexer's KL gradients, and a whole MiniMax-M3 l
 parameter gradients). A NCCL run needs two GPUs and skips otherwise."""
 
 import datetime
+import functools
 import json
 import os
 import pathlib
@@ -69,23 +70,24 @@ def rel_err(got, want):
 
 
 # ---- process harness ----------------------------------------------------------------------------
+# Starting processes costs more than the small cases, so each world size is spawned once and
+# runs every case of RUNS in one process group.
 
-def _entry(rank, world, init_file, out_dir, case, args):
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
-    try:
-        result = CASES[case](rank, world, *args)
-        torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+LONG_CU, LONG_CHUNK = [0, 2200, 2300], 256
+GATHER_CU, GATHER_CHUNK = [0, 10, 200, 333], 32
 
 
-def spawn(case, world, tmp_path, monkeypatch, *args):
-    """Runs CASES[case](rank, world, *args) in `world` processes; returns their results."""
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the processes share the machine's cores
-    mp.spawn(_entry, args=(world, str(tmp_path / "init"), str(tmp_path), case, args), nprocs=world, join=True)
-    return [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+def make_layer():
+    torch.manual_seed(0)
+    layer = mt.MiniMaxM3SparseAttention(hidden_size=256, num_q_heads=16, num_kv_heads=1)
+    layer.reset_parameters()
+    with torch.no_grad():  # non-zero norm weights so that their gradients are exercised too
+        for norm in (layer.q_norm, layer.k_norm, layer.index_q_norm, layer.index_k_norm):
+            norm.weight.normal_(0, 0.1)
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(CU[-1], 256, generator=g)
+    weight = torch.randn(CU[-1], 256, generator=g)
+    return layer, hidden, weight
 
 
 def case_ops(rank, world, cu, chunk, train):
@@ -102,20 +104,11 @@ def case_ops(rank, world, cu, chunk, train):
     return result
 
 
-def case_layer(rank, world, cu, chunk):
-    torch.manual_seed(0)
-    layer = mt.MiniMaxM3SparseAttention(hidden_size=256, num_q_heads=16, num_kv_heads=1)
-    layer.reset_parameters()
-    with torch.no_grad():  # non-zero norm weights so that their gradients are exercised too
-        for norm in (layer.q_norm, layer.k_norm, layer.index_q_norm, layer.index_k_norm):
-            norm.weight.normal_(0, 0.1)
-    g = torch.Generator().manual_seed(1)
-    hidden = torch.randn(cu[-1], 256, generator=g)
-    weight = torch.randn(cu[-1], 256, generator=g)
-    split = cp.split_for_context_parallel(cu, world, chunk)
+def case_layer(rank, world):
+    layer, hidden, weight = make_layer()
+    split = cp.split_for_context_parallel(CU, world, CHUNK)
     shard = split.shard(rank)
-    cp_layer = cp.ContextParallelSparseAttention(layer)
-    y = cp_layer(shard.take(hidden), shard)
+    y = cp.ContextParallelSparseAttention(layer)(shard.take(hidden), shard)
     (y * shard.take(weight)).sum().backward()
     grads = {name: p.grad.clone() for name, p in layer.named_parameters()}
     for t in grads.values():  # each rank holds its tokens' share of the parameter gradients
@@ -123,16 +116,63 @@ def case_layer(rank, world, cu, chunk):
     return dict(tokens=shard.tokens, y=y.detach(), y_all=cp.gather_tokens(y, split), grads=grads)
 
 
-def case_collectives(rank, world, cu, chunk):
-    """gather_tokens puts every rank's rows back in the global order."""
-    split = cp.split_for_context_parallel(cu, world, chunk)
-    shard = split.shard(rank)
+def case_gather(rank, world):
+    split = cp.split_for_context_parallel(GATHER_CU, world, GATHER_CHUNK)
     rows = torch.arange(split.total_tokens, dtype=torch.float32)[:, None].expand(-1, 3)
-    gathered = cp.gather_tokens(shard.take(rows), split)
-    return dict(gathered=gathered)
+    return dict(gathered=cp.gather_tokens(split.shard(rank).take(rows), split))
 
 
-CASES = {"ops": case_ops, "layer": case_layer, "collectives": case_collectives}
+CASES = {
+    "ops": lambda rank, world: case_ops(rank, world, CU, CHUNK, True),
+    "long": lambda rank, world: case_ops(rank, world, LONG_CU, LONG_CHUNK, False),
+    "layer": case_layer,
+    "gather": case_gather,
+}
+RUNS = {2: ["ops", "long", "layer", "gather"], 4: ["ops", "gather"]}
+
+
+def _entry(rank, world, init_file, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    try:
+        results = {case: CASES[case](rank, world) for case in RUNS[world]}
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def gloo(tmp_path_factory):
+    """gloo(world)[case] -> the per-rank results of CASES[case] run in `world` processes."""
+    done = {}
+
+    def results(world):
+        if world not in done:
+            out = tmp_path_factory.mktemp(f"gloo{world}")
+            saved = os.environ.get("OMP_NUM_THREADS")
+            os.environ["OMP_NUM_THREADS"] = "1"  # the processes share the machine's cores
+            try:
+                mp.spawn(_entry, args=(world, str(out / "init"), str(out)), nprocs=world, join=True)
+            finally:
+                if saved is None:
+                    del os.environ["OMP_NUM_THREADS"]
+                else:
+                    os.environ["OMP_NUM_THREADS"] = saved
+            ranks = [torch.load(out / f"rank{r}.pt") for r in range(world)]
+            done[world] = {case: [r[case] for r in ranks] for case in RUNS[world]}
+        return done[world]
+
+    return results
+
+
+@functools.lru_cache(maxsize=None)
+def single(case):
+    if case == "ops":
+        return run_single(make_inputs(CU[-1]), CU)
+    if case == "long":
+        return run_single(make_inputs(LONG_CU[-1]), LONG_CU, train=False)
+    raise KeyError(case)
 
 
 # ---- the split --------------------------------------------------------------------------------------
@@ -217,8 +257,8 @@ def test_split_errors():
 
 def test_single_process_shard_matches_the_plain_ops():
     # world_size 1 without a process group: the fragment layout of one rank is the whole pack.
-    x = make_inputs(CU[-1], seed=3)
-    want = run_single(x, CU)
+    x = make_inputs(CU[-1])
+    want = single("ops")
     shard = cp.split_for_context_parallel(CU, 1, CHUNK).shard(0)
     mine = {n: shard.take(t).requires_grad_(n != "dout") for n, t in x.items()}
     out = cp.context_parallel_sparse_attention(mine["q"], mine["k"], mine["v"], mine["iq"], mine["ik"], shard)
@@ -259,35 +299,23 @@ def compare_to_single(results, want, train=True):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_gloo_matches_single_process(world, tmp_path, monkeypatch):
-    results = spawn("ops", world, tmp_path, monkeypatch, CU, CHUNK, True)
-    compare_to_single(results, run_single(make_inputs(CU[-1]), CU))
+def test_gloo_matches_single_process(world, gloo):
+    compare_to_single(gloo(world)["ops"], single("ops"))
 
 
-def test_gloo_long_document_selection_and_forward(tmp_path, monkeypatch):
+def test_gloo_long_document_selection_and_forward(gloo):
     # A 2,200-token document has 18 blocks: the indexer ranks history blocks whose keys live
     # on the other rank. Forward only, to stay fast on two cores.
-    cu, chunk = [0, 2200, 2300], 256
-    results = spawn("ops", 2, tmp_path, monkeypatch, cu, chunk, False)
-    want = run_single(make_inputs(cu[-1]), cu, train=False)
-    compare_to_single(results, want, train=False)
+    want = single("long")
+    compare_to_single(gloo(2)["long"], want, train=False)
     assert (want["topk"][:, 2047:2200] >= 0).sum(-1).eq(16).all()  # late queries keep 16 of 17-18 blocks
 
 
-def test_gloo_layer_and_parameter_gradients_match_single_process(tmp_path, monkeypatch):
-    world = 2
-    results = spawn("layer", world, tmp_path, monkeypatch, CU, CHUNK)
-    torch.manual_seed(0)
-    layer = mt.MiniMaxM3SparseAttention(hidden_size=256, num_q_heads=16, num_kv_heads=1)
-    layer.reset_parameters()
-    with torch.no_grad():
-        for norm in (layer.q_norm, layer.k_norm, layer.index_q_norm, layer.index_k_norm):
-            norm.weight.normal_(0, 0.1)
-    g = torch.Generator().manual_seed(1)
-    hidden = torch.randn(CU[-1], 256, generator=g)
-    weight = torch.randn(CU[-1], 256, generator=g)
+def test_gloo_layer_and_parameter_gradients_match_single_process(gloo):
+    layer, hidden, weight = make_layer()
     y = layer(hidden[None], cu_seqlens=CU)[0]
     (y * weight).sum().backward()
+    results = gloo(2)["layer"]
     for r in results:
         assert rel_err(r["y"], y[r["tokens"]]) < 1e-4
         assert rel_err(r["y_all"], y) < 1e-4
@@ -297,10 +325,10 @@ def test_gloo_layer_and_parameter_gradients_match_single_process(tmp_path, monke
             assert rel_err(r["grads"][name], p.grad) < 2e-3, name
 
 
-def test_gloo_gather_tokens_restores_the_global_order(tmp_path, monkeypatch):
-    results = spawn("collectives", 3, tmp_path, monkeypatch, [0, 10, 200, 333], 32)
-    want = torch.arange(333, dtype=torch.float32)[:, None].expand(-1, 3)
-    for r in results:
+@pytest.mark.parametrize("world", [2, 4])
+def test_gloo_gather_tokens_restores_the_global_order(world, gloo):
+    want = torch.arange(GATHER_CU[-1], dtype=torch.float32)[:, None].expand(-1, 3)
+    for r in gloo(world)["gather"]:
         assert torch.equal(r["gathered"], want)
 
 
