@@ -368,8 +368,13 @@ int run_demo(const DemoOptions& o) {
   SelectionTally tally;
   ErrorStats index_lse_err(kIndexLseTol, kIndexLseTol), out_err(kOutTol, kOutTol), lse_err(kLseTol, kLseTol);
   ErrorStats dq_err, dk_err, dv_err, dqi_err, dki_err;
-  RowErrors out_rows, dq_rows, dk_rows, dv_rows, dqi_rows, dki_rows;
-  const double scale = topo.attention_scale();
+  // Natural sizes: inputs are normal x 0.2, so a row of 128 has norm r = 0.2 sqrt(128); dq and
+  // dk rows scale like scale r^3, out and dv rows like r, the KL gradients like
+  // grad_scale * index_scale * r. Differences below 1e-5 of these are rounding noise.
+  const double scale = topo.attention_scale(), r = 0.2 * std::sqrt(double(D)), noise = 1e-5;
+  RowErrors out_rows(noise * r), dq_rows(noise * scale * r * r * r), dk_rows(noise * scale * r * r * r),
+      dv_rows(noise * r), dqi_rows(noise * kl_scale * topo.indexer_scale() * r),
+      dki_rows(noise * kl_scale * topo.indexer_scale() * r);
   for (const OracleRun* run : {&sampled, &tails}) {
     size_t u = 0;
     for (const Unit& unit : units) {
@@ -521,14 +526,20 @@ int run_demo(const DemoOptions& o) {
   };
   auto grads_ok = [](std::vector<Grad> grads) {
     bool ok = true;
-    for (const Grad& g : grads) ok = ok && g.stats->cosine() > kMinCosine && g.rows->worst() <= kMaxRowError;
+    for (const Grad& g : grads)
+      ok = ok && (g.rows->negligible() || g.stats->cosine() > kMinCosine) && g.rows->worst() <= kMaxRowError;
     return ok;
   };
   auto grad_text = [](std::vector<Grad> grads) {
     std::ostringstream c;
     double cos_min = 1, row_max = 0;
     for (size_t i = 0; i < grads.size(); ++i) {
-      c << (i ? ", " : "") << grads[i].name << " " << sci(grads[i].stats->relative_l2());
+      c << (i ? ", " : "") << grads[i].name << " ";
+      if (grads[i].rows->negligible()) {
+        c << "~0";  // the reference is zero up to rounding: only the row check applies
+        continue;
+      }
+      c << sci(grads[i].stats->relative_l2());
       const double cos = grads[i].stats->cosine();
       cos_min = std::isnan(cos) ? cos : std::min(cos_min, cos);
       row_max = std::max(row_max, grads[i].rows->worst());

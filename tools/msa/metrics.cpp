@@ -54,10 +54,18 @@ void RowErrors::end_row() {
   bad_ = false;
 }
 
-double RowErrors::worst() const {
+namespace {
+double rms(const std::vector<double>& norms) {
   double mean_square = 0;
-  for (double r : ref_norm_) mean_square += r * r;
-  const double floor = ref_norm_.empty() ? 0.0 : 0.1 * std::sqrt(mean_square / double(ref_norm_.size()));
+  for (double r : norms) mean_square += r * r;
+  return norms.empty() ? 0.0 : std::sqrt(mean_square / double(norms.size()));
+}
+}  // namespace
+
+bool RowErrors::negligible() const { return rms(ref_norm_) <= floor_; }
+
+double RowErrors::worst() const {
+  const double floor = std::max(0.1 * rms(ref_norm_), floor_);
   double worst = 0;
   for (size_t i = 0; i < diff_norm_.size(); ++i) {
     const double den = std::max({ref_norm_[i], floor, 1e-300});

@@ -29,17 +29,24 @@ class ErrorStats {
   double max_abs_ = 0, diff2_ = 0, ref2_ = 0, val2_ = 0, dot_ = 0;
 };
 
-// Row-by-row relative L2 error: ||x_r - ref_r|| / max(||ref_r||, 0.1 * rms row norm). Whole-
-// tensor measures average a few wrong rows away; the worst row does not. Add a row's values
-// with add(), then call end_row().
+// Row-by-row relative L2 error: ||x_r - ref_r|| / max(||ref_r||, 0.1 * rms row norm, floor).
+// Whole-tensor measures average a few wrong rows away; the worst row does not. `floor` is an
+// absolute row norm below which differences do not matter (a small fraction of the quantity's
+// natural size), so that exactly-zero references (e.g. gradients of one-key rows) are judged
+// sensibly. Add a row's values with add(), then call end_row().
 class RowErrors {
  public:
+  explicit RowErrors(double floor = 0) : floor_(floor) {}
   void add(double value, double reference);
   void end_row();
   int64_t rows() const { return int64_t(diff_norm_.size()); }
   double worst() const;
+  // True when the reference's rms row norm is below the floor: whole-tensor cosine and
+  // relative errors then measure rounding noise and say nothing.
+  bool negligible() const;
 
  private:
+  double floor_;
   double diff2_ = 0, ref2_ = 0;
   bool bad_ = false;
   std::vector<double> diff_norm_, ref_norm_;
