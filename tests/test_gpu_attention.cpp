@@ -51,7 +51,7 @@ TEST(GpuForward, EdgeCaseLayouts) {
 TEST(GpuForward, RealShapes) {
   MSA_REQUIRE_GPU();
   MSA_SEEDED_RNG(rng);
-  for (const auto& s : real_layouts(6144, 6144)) {
+  for (const auto& s : real_layouts(3072, 4096)) {
     SCOPED_TRACE(s.name);
     check_forward_against_cpu(rng, Topology(), s.layout);
   }
@@ -128,7 +128,7 @@ TEST(GpuBackward, EdgeCaseLayouts) {
   MSA_REQUIRE_GPU();
   MSA_SEEDED_RNG(rng);
   for (const auto& s : edge_layouts()) {
-    if (s.name == "single token" || s.name == "long document") continue;  // covered elsewhere / slow on the CPU
+    if (s.name == "single token" || s.name == "long document" || s.name == "16 blocks exactly") continue;  // covered elsewhere
     SCOPED_TRACE(s.name);
     check_backward_against_cpu(rng, Topology(), s.layout);
   }
@@ -137,8 +137,8 @@ TEST(GpuBackward, EdgeCaseLayouts) {
 TEST(GpuBackward, RealShapes) {
   MSA_REQUIRE_GPU();
   MSA_SEEDED_RNG(rng);
-  const auto shapes = real_layouts(3072, 3072);
-  for (size_t i = 0; i < shapes.size(); i += 2) {  // every other shape keeps the CPU reference quick
+  const auto shapes = real_layouts(2048, 2048);
+  for (size_t i = 0; i < shapes.size(); i += 3) {  // every third shape keeps the CPU reference quick
     SCOPED_TRACE(shapes[i].name);
     check_backward_against_cpu(rng, Topology(), shapes[i].layout);
   }
@@ -159,7 +159,7 @@ TEST(GpuBackward, DeterministicModeIsBitwiseReproducible) {
   MSA_REQUIRE_GPU();
   MSA_SEEDED_RNG(rng);
   const Topology topo;
-  const PackedLayout L = layout_of({4000, 1500, 3});
+  const PackedLayout L = layout_of({2500, 700, 3});
   AttentionCase c = make_case(rng, topo, L);
   const ForwardOutputs fwd = run_forward(c);
   const HostTensor dout = random_tensor(rng, {L.total_q(), 64, 128});
@@ -178,7 +178,7 @@ TEST(GpuForward, RepeatedRunsAreBitwiseIdentical) {
   MSA_REQUIRE_GPU();
   MSA_SEEDED_RNG(rng);
   const Topology topo;
-  const PackedLayout L = layout_of({4000, 1500});
+  const PackedLayout L = layout_of({2500, 900});
   AttentionCase c = make_case(rng, topo, L);
   DeviceTensor q(c.q), k(c.k), v(c.v), topk(c.topk);
   const SparsePlan plan = build_plan(topo, L, topk.view());

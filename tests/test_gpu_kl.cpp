@@ -84,7 +84,7 @@ TEST(GpuKl, EdgeAndRealShapes) {
   std::vector<NamedLayout> shapes;
   for (auto& s : edge_layouts())
     if (s.name != "long document" && s.name != "single token") shapes.push_back(std::move(s));
-  const auto real = real_layouts(3072, 3072);
+  const auto real = real_layouts(2048, 2048);
   for (size_t i = 1; i < real.size(); i += 3) shapes.push_back(real[i]);
   for (const auto& s : shapes) {
     SCOPED_TRACE(s.name);
@@ -104,7 +104,7 @@ TEST(GpuKl, DeterministicModeIsBitwiseReproducible) {
   MSA_REQUIRE_GPU();
   MSA_SEEDED_RNG(rng);
   const Topology topo;
-  const KlInputs in = make_kl(rng, topo, layout_of({3500, 900}));
+  const KlInputs in = make_kl(rng, topo, layout_of({2500, 600}));
   DeviceTensor topk(in.c.topk);
   const SparsePlan plan = build_plan(topo, in.c.layout, topk.view());
   const KlGrads first = gpu_kl(in, plan, DType::f32, 0.f, true);

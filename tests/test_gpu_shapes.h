@@ -88,7 +88,7 @@ inline std::vector<NamedLayout> edge_layouts() {
   out.push_back({"16 blocks exactly", layout_of({16 * 128})});
   out.push_back({"17 blocks", layout_of({17 * 128})});
   out.push_back({"16 and 17 blocks, partial tails", layout_of({16 * 128 - 3, 17 * 128 + 5, 129})});
-  out.push_back({"long document", layout_of({40 * 128 + 77})});
+  out.push_back({"long document", layout_of({24 * 128 + 77})});
   out.push_back({"chunked prefill", layout_of({1, 130, 300, 7}, {2500, 130, 3000, 4096})});
   out.push_back({"documents without queries", layout_of({0, 200, 0, 1}, {300, 2300, 0, 1})});
   {
