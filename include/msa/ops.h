@@ -76,7 +76,8 @@ struct SparsePlan {
   std::shared_ptr<void> backend;  // backend-private metadata and scratch (CUDA)
 };
 
-// Validates `topk` against the layout (ids in range, unique, local block last) and builds the
+// Validates `topk` against the layout (valid ids form a prefix, are unique and lie in
+// [0, local block]; any order is accepted) and builds the
 // plan on the device that holds `topk`.
 SparsePlan build_plan(const Topology& topo, const PackedLayout& layout, const TensorView& topk,
                       const PlanOptions& options = {}, const RunOptions& opt = {});
