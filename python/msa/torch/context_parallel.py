@@ -424,21 +424,21 @@ class _ContextParallelAttention(torch.autograd.Function):
         topo, layout, plan, run = ctx.topo, ctx.layout, ctx.plan, ctx.run
         m = k_buf.shape[0]
         widths = _feature_widths(k, v, index_k)
-        # Partial key gradients of this rank in float32, side by side: [local_k, dK | dV | d index-K].
-        partial = torch.zeros((m, sum(widths)), dtype=torch.float32, device=q.device)
-        dk_buf, dv_buf, dik_buf = (t.view(m, *s.shape[1:]) for t, s in
-                                   zip(partial.split(widths, dim=1), (k, v, index_k)))
+        index = shard.kv_index_on(q.device)
+        # This rank's float32 key gradients, laid out like the gathered buffer and side by side,
+        # [world_size * capacity, dK | dV | d index-K]; rows of keys it did not read stay 0.
+        full = torch.zeros((shard.world_size * shard.capacity, sum(widths)), dtype=torch.float32, device=q.device)
+        full_dk, full_dv, full_dik = full.split(widths, dim=1)
         dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         diq = None
         with _device_of(q):
-            # The library writes strided float32 outputs only if they are contiguous: use scratch.
             dk32 = torch.empty(k_buf.shape, dtype=torch.float32, device=q.device)
             dv32 = torch.empty(v_buf.shape, dtype=torch.float32, device=q.device)
             _native.sparse_attention_backward(topo, layout, plan, _dl(q.contiguous()), _dl(k_buf), _dl(v_buf),
                                               _dl(topk), _dl(out), _dl(lse), _dl(dout.contiguous()), _dl(dq),
                                               _dl(dk32), _dl(dv32), **run)
-            dk_buf.copy_(dk32)
-            dv_buf.copy_(dv32)
+            full_dk.index_copy_(0, index, dk32.view(m, -1))  # kv_index has no repeats
+            full_dv.index_copy_(0, index, dv32.view(m, -1))
             del dk32, dv32
             if train_indexer:
                 diq32 = torch.empty(index_q.shape, dtype=torch.float32, device=q.device)
@@ -448,11 +448,11 @@ class _ContextParallelAttention(torch.autograd.Function):
                 _native.kl_backward(topo, layout, plan, _dl(q.contiguous()), _dl(k_buf), _dl(lse),
                                     _dl(index_q.contiguous()), _dl(ik_buf), _dl(index_lse), _dl(topk), _dl(diq32),
                                     _dl(dik32), grad_scale, **run)
-                dik_buf.copy_(dik32 * dkl)
+                full_dik.index_copy_(0, index, (dik32 * dkl).view(m, -1))
                 diq = (diq32 * dkl).to(index_q.dtype)
-        # Back to the gathered (rank-major) layout, then sum over ranks into the owners' rows.
-        full = torch.zeros((shard.world_size * shard.capacity, sum(widths)), dtype=torch.float32, device=q.device)
-        full.index_copy_(0, shard.kv_index_on(q.device), partial)  # kv_index has no repeats
+                del dik32
+        del k_buf, v_buf, ik_buf
+        # Sum over ranks; each rank keeps the rows of the keys it owns.
         mine = _reduce_scatter(full, shard.world_size, group)[:k.shape[0]]
         dk, dv, dik = (t.reshape(s.shape).to(s.dtype) for t, s in zip(mine.split(widths, dim=1), (k, v, index_k)))
         if not train_indexer:
