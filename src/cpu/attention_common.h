@@ -1,6 +1,6 @@
 // Pieces shared by the CPU attention forward, backward and KL backward: where a query sits,
-// which of its selected blocks are attended, and the masked, scaled scores of one query's
-// 16 heads against those blocks.
+// which of its selected blocks are attended, the masked, scaled scores of one query's 16
+// heads against those blocks, and the KV-outer task list over the plan's CSR.
 #pragma once
 
 #include <algorithm>
