@@ -8,6 +8,7 @@
 // summed in slot order afterwards, so the result does not depend on the thread count.
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <vector>
 
 #include "backend.h"
@@ -37,7 +38,8 @@ void kl_backward(const Topology& topo, const PackedLayout& L, const SparsePlan& 
   const std::vector<float> index_keys = gather_blocks(kb, p.index_k, 0, /*transposed=*/false, threads);   // [blocks][t][d]
 
   std::vector<float> dindex_k(size_t(total_k * kDim), 0.0f);     // [total_k, 128] fp32 accumulator
-  std::vector<float> edge_dq(size_t(total_q * K * kDim), 0.0f);  // [total_q, slot, 128] one head at a time
+  // [total_q, slot, 128], one head at a time; only the slots of valid edges are written and read.
+  const std::unique_ptr<float[]> edge_dq(new float[size_t(total_q * K * kDim)]);
 
   for (int g = 0; g < Hi; ++g) {
     const std::vector<float> keys_t = gather_blocks(kb, p.k, g, /*transposed=*/true, threads);  // [blocks][d][t]
@@ -98,7 +100,7 @@ void kl_backward(const Topology& topo, const PackedLayout& L, const SparsePlan& 
               for (int i = 0; i < nq; ++i) {
                 const int64_t row = d.q_start + q_indices[e + i];
                 std::copy(dq_part.data() + i * kDim, dq_part.data() + (i + 1) * kDim,
-                          edge_dq.data() + (row * K + slots[e + i]) * kDim);
+                          edge_dq.get() + (row * K + slots[e + i]) * kDim);
               }
               gemm<true>(kBlock, kDim, nq, ds.data(), 1, kBlock, iq_chunk.data(), kDim, dk.data(), kDim);
             }
@@ -122,7 +124,7 @@ void kl_backward(const Topology& topo, const PackedLayout& L, const SparsePlan& 
         const int count = split_counts[row * Hkv + g];
         std::fill(sum, sum + kDim, 0.0f);
         for (int s = 0; s < count; ++s) {
-          const float* part = edge_dq.data() + (row * K + s) * kDim;
+          const float* part = edge_dq.get() + (row * K + s) * kDim;
           for (int c = 0; c < kDim; c += kLanes) vstore(sum + c, vload(sum + c) + vload(part + c));
         }
         for (int c = 0; c < kDim; c += kLanes) vstore(sum + c, vload(sum + c) * index_scale);
