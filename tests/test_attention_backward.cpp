@@ -8,9 +8,10 @@ namespace msa::test {
 namespace {
 
 void forward_backward_check(std::mt19937_64& rng, const Topology& topo, const PackedLayout& L,
-                            DType grad_dtype = DType::bf16, DType dout_dtype = DType::bf16) {
-  const AttentionCase c = make_case(rng, topo, L);
-  const ForwardOutputs fwd = run_forward(c);
+                            DType grad_dtype = DType::bf16, DType dout_dtype = DType::bf16,
+                            DType out_dtype = DType::bf16, float qk_scale = 0.2f) {
+  const AttentionCase c = make_case(rng, topo, L, {}, qk_scale);
+  const ForwardOutputs fwd = run_forward(c, out_dtype);
   const HostTensor dout = random_tensor(rng, {L.total_q(), topo.num_q_heads, topo.head_dim}, 0.2f, dout_dtype);
   const BackwardOutputs grads = run_backward(c, fwd, dout, grad_dtype);
   check_backward(c, fwd, dout, grads);
@@ -58,7 +59,14 @@ TEST(AttentionBackward, InitAndLocalForcedSelections) {
 
 TEST(AttentionBackward, Float32GradientsAndDout) {
   MSA_SEEDED_RNG(rng);
-  forward_backward_check(rng, Topology{}, layout_of({30, 150}, {2200, 150}), DType::f32, DType::f32);
+  forward_backward_check(rng, Topology{}, layout_of({30, 150}, {2200, 150}), DType::f32, DType::f32, DType::f32);
+}
+
+TEST(AttentionBackward, SharpSoftmax) {
+  MSA_SEEDED_RNG(rng);
+  // Logits with standard deviation ~2.3 (q, k of scale 1.5).
+  forward_backward_check(rng, Topology::minimax_m3(4), layout_of({100, 1, 300}, {2300, 1, 300}), DType::bf16,
+                         DType::bf16, DType::bf16, 1.5f);
 }
 
 TEST(AttentionBackward, EmptyRowsContributeNothing) {

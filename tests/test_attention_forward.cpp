@@ -31,6 +31,15 @@ TEST(AttentionForward, SmallPackDefaultTopology) {
   check_forward(c, run_forward(c));
 }
 
+TEST(AttentionForward, SharpSoftmax) {
+  MSA_SEEDED_RNG(rng);
+  // q, k of scale 1.5: logits with standard deviation ~2.3, so the running maximum of an online
+  // softmax moves often and by a lot.
+  const PackedLayout L = layout_of({120, 1, 300}, {2400, 1, 300});
+  const AttentionCase c = make_case(rng, Topology{}, L, {}, 1.5f);
+  check_forward(c, run_forward(c));
+}
+
 TEST(AttentionForward, ChunkedPrefillWithRankedSelection) {
   MSA_SEEDED_RNG(rng);
   // Queries at positions k_len - q_len + i: the first document's queries see 19-21 blocks.

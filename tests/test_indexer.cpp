@@ -36,9 +36,9 @@ struct Inputs {
   HostTensor index_q, index_k;
 };
 
-Inputs random_inputs(std::mt19937_64& rng, const Topology& topo, const PackedLayout& L) {
-  return {random_tensor(rng, {L.total_q(), topo.num_index_heads, topo.index_head_dim}),
-          random_tensor(rng, {L.total_k(), 1, topo.index_head_dim})};
+Inputs random_inputs(std::mt19937_64& rng, const Topology& topo, const PackedLayout& L, float scale = 0.2f) {
+  return {random_tensor(rng, {L.total_q(), topo.num_index_heads, topo.index_head_dim}, scale),
+          random_tensor(rng, {L.total_k(), 1, topo.index_head_dim}, scale)};
 }
 
 // Checks one library selection against the oracle, row by row. `check_rank_order` also
@@ -153,6 +153,18 @@ void run_and_check(const Topology& topo, const PackedLayout& L, std::mt19937_64&
 TEST(Indexer, DocumentsOfAtMostSixteenBlocksSelectEverything) {
   MSA_SEEDED_RNG(rng);
   run_and_check(Topology{}, layout_of({1, 2, 127, 128, 129, 700, 2047, 2048}), rng);
+}
+
+TEST(Indexer, WellSeparatedScoresLeaveNoRoomForNearTies) {
+  MSA_SEEDED_RNG(rng);
+  // Index vectors of scale 2 spread block scores ~100x wider than at 0.2, so the 5e-3 near-tie
+  // allowance practically never applies and the selection must match the oracle's exactly.
+  const Topology topo;
+  const PackedLayout L = layout_of({2700, 300});
+  const Inputs in = random_inputs(rng, topo, L, 2.0f);
+  const IndexerOutputs out = run_indexer(topo, L, in.index_q, in.index_k);
+  check_selection(topo, L, in, out.topk);
+  check_lse(topo, L, in, out);
 }
 
 TEST(Indexer, SixteenAndSeventeenBlocks) {

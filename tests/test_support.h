@@ -206,12 +206,14 @@ inline void expect_rel_l2(const std::string& what, const std::vector<float>& got
   ASSERT_EQ(got.size(), want.size()) << what;
   EXPECT_EQ(count_nan(got), 0) << what << " holds NaN (an element was not written?)";
   const double err = relative_l2(got, want);
+  ::testing::Test::RecordProperty(what + "_rel_l2", std::to_string(err));
   EXPECT_LT(err, limit) << what << ": relative L2 error " << err;
 }
 
 inline void expect_gradient(const std::string& what, const std::vector<float>& got, const std::vector<double>& want) {
   expect_rel_l2(what, got, want, 1e-2);
   const double cos = cosine_similarity(got, want);
+  ::testing::Test::RecordProperty(what + "_cosine", std::to_string(cos));
   EXPECT_GT(cos, 0.99) << what << ": cosine similarity " << cos;
 }
 
@@ -257,10 +259,11 @@ inline HostTensor library_selection(std::mt19937_64& rng, const Topology& topo, 
   return topk;
 }
 
+// `qk_scale` scales q and k (0.2 gives near-uniform attention; ~2 gives sharp softmax rows).
 inline AttentionCase make_case(std::mt19937_64& rng, const Topology& topo, const PackedLayout& L,
-                               HostTensor topk = {}) {
-  AttentionCase c{topo, L, random_tensor(rng, {L.total_q(), topo.num_q_heads, topo.head_dim}),
-                  random_tensor(rng, {L.total_k(), topo.num_kv_heads, topo.head_dim}),
+                               HostTensor topk = {}, float qk_scale = 0.2f) {
+  AttentionCase c{topo, L, random_tensor(rng, {L.total_q(), topo.num_q_heads, topo.head_dim}, qk_scale),
+                  random_tensor(rng, {L.total_k(), topo.num_kv_heads, topo.head_dim}, qk_scale),
                   random_tensor(rng, {L.total_k(), topo.num_kv_heads, topo.head_dim}),
                   topk.numel() ? std::move(topk) : library_selection(rng, topo, L), SparsePlan{}};
   c.plan = build_plan(topo, L, c.topk.view());
