@@ -152,8 +152,9 @@ TEST(GpuIndexer, NanScoresAreNeverSelected) {
   std::vector<char> same;
   compare_selections(topo, L, in, gpu.topk, cpu.topk, 5e-3, same);
   const auto g = gpu.lse.floats(), w = cpu.lse.floats();
-  for (size_t i = 0; i < g.size(); ++i)
+  for (size_t i = 0; i < g.size(); ++i) {
     if (same[i]) ASSERT_EQ(std::isnan(g[i]), std::isnan(w[i])) << "selected_lse NaN pattern differs at " << i;
+  }
   compare_lse(gpu.lse, cpu.lse, same);
 }
 

@@ -11,6 +11,7 @@
 #include "cuda/common.cuh"
 #include "cuda/device.cuh"
 #include "cuda/reduce.cuh"
+#include "cuda/wgmma.cuh"
 #include "cuda/workspace.h"
 
 namespace msa::cuda {
@@ -19,7 +20,7 @@ namespace {
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kTile = 128 * 256;
-constexpr int kSmemBytes = 6 * kTile + kWarps * 4 * 4;
+constexpr int kSmemBytes = 6 * kTile + kWarps * 4 * 4 + 1024;  // + alignment slack
 constexpr float kLog2e = 1.4426950408889634f;
 
 struct BackwardArgs {
@@ -44,24 +45,17 @@ struct BackwardArgs {
   int Hq, Hkv;
   float scale, scale_log2;
   bool deterministic;
+  int use_wgmma;  // S = Q K^T and dP = dO V^T on wgmma
 };
-
-__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
-  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
-}
-__device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
-  uint32_t v;
-  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
-  return v;
-}
 
 __global__ void __launch_bounds__(kThreads, 1) backward_chunks_kernel(const BackwardArgs a) {
   extern __shared__ __align__(128) unsigned char smem[];
   if (a.status[0] != 0) return;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, t = lane & 3, r0 = lane >> 2;
-  const uint32_t ks = smem_addr(smem), vs = ks + kTile, qs = ks + 2 * kTile, dos = ks + 3 * kTile, ps = ks + 4 * kTile,
-                 dss = ks + 5 * kTile;
-  int* meta = reinterpret_cast<int*>(smem + 6 * kTile);
+  const uint32_t ks = align1024(smem_addr(smem)), vs = ks + kTile, qs = ks + 2 * kTile, dos = ks + 3 * kTile,
+                 ps = ks + 4 * kTile, dss = ks + 5 * kTile;
+  int* meta = reinterpret_cast<int*>(smem + (ks - smem_addr(smem)) + 6 * kTile);
+  const int r16 = 16 * warp, wg_row = 64 * (warp >> 2);
   const int nchunks = *a.chunk_count;
 
   for (int c = blockIdx.x; c < nchunks; c += gridDim.x) {
@@ -88,11 +82,11 @@ __global__ void __launch_bounds__(kThreads, 1) backward_chunks_kernel(const Back
         meta[4 * warp] = -1;
       }
       const int64_t off = (int64_t(row) * a.Hq + 16 * g) * 128;
-      load_tile_async(qs + warp * 16 * 256, a.q + off, 128, 16, valid ? 16 : 0, lane, 32);
-      load_tile_async(dos + warp * 16 * 256, a.dout + off, 128, 16, valid ? 16 : 0, lane, 32);
+      load_tile_async(qs, 128, r16, a.q + off, 128, 16, valid ? 16 : 0, lane, 32);
+      load_tile_async(dos, 128, r16, a.dout + off, 128, 16, valid ? 16 : 0, lane, 32);
     };
-    load_tile_async(ks, a.k + kv_off, int64_t(a.Hkv) * 128, 128, nkeys, tid, kThreads);
-    load_tile_async(vs, a.v + kv_off, int64_t(a.Hkv) * 128, 128, nkeys, tid, kThreads);
+    load_tile_async(ks, 128, 0, a.k + kv_off, int64_t(a.Hkv) * 128, 128, nkeys, tid, kThreads);
+    load_tile_async(vs, 128, 0, a.v + kv_off, int64_t(a.Hkv) * 128, 128, nkeys, tid, kThreads);
     load_sub(0);
     cp_async_commit();
 
@@ -105,85 +99,84 @@ __global__ void __launch_bounds__(kThreads, 1) backward_chunks_kernel(const Back
     const int nsub = (q_count + 7) / 8;
     for (int sub = 0; sub < nsub; ++sub) {
       cp_async_wait<0>();
+      fence_proxy_async();
       __syncthreads();
       const int row = meta[4 * warp], slot = meta[4 * warp + 1], limit = meta[4 * warp + 2];
-      const uint32_t qw = qs + warp * 16 * 256, dow = dos + warp * 16 * 256;
-      const uint32_t pw = ps + warp * 16 * 256, dsw = dss + warp * 16 * 256;
-      if (row >= 0) {
-        const int64_t hrow = int64_t(row) * a.Hq + 16 * g + r0;
-        const float lse_a = a.lse[hrow], lse_b = a.lse[hrow + 8];
-        const float del_a = a.delta[hrow], del_b = a.delta[hrow + 8];
-        // S and P for the warp's 16 rows; P (bf16) goes to shared memory, where dS reads it back.
-        {
-          float s[16][4];
+      const int64_t hrow = int64_t(max(row, 0)) * a.Hq + 16 * g + r0;
+      const float lse_a = row >= 0 ? a.lse[hrow] : 0.f, lse_b = row >= 0 ? a.lse[hrow + 8] : 0.f;
+      const float del_a = row >= 0 ? a.delta[hrow] : 0.f, del_b = row >= 0 ? a.delta[hrow + 8] : 0.f;
+      // S and P for the warp's 16 rows; P (bf16) goes to shared memory, where dS reads it back.
+      {
+        float s[16][4];
+        if (a.use_wgmma) {
+          wgmma_rows_x128(s, qs, 128, wg_row, ks, 128, 0);
+        } else if (row >= 0) {
 #pragma unroll
           for (int i = 0; i < 16; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
 #pragma unroll
           for (int kt = 0; kt < 8; ++kt) {
             uint32_t af[4];
-            load_a(af, qw, 0, kt * 16, lane);
+            load_a(af, qs, 128, r16, kt * 16, lane);
 #pragma unroll
             for (int np = 0; np < 8; ++np) {
               uint32_t bf[4];
-              load_b_nk(bf, ks, np * 16, kt * 16, lane);
+              load_b_nk(bf, ks, 128, np * 16, kt * 16, lane);
               mma_bf16(s[2 * np], af, bf[0], bf[1]);
               mma_bf16(s[2 * np + 1], af, bf[2], bf[3]);
             }
           }
-          const float la = lse_a * kLog2e, lb = lse_b * kLog2e;
-#pragma unroll
-          for (int nt = 0; nt < 16; ++nt) {
-            float pv[4];
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              const int col = nt * 8 + 2 * t + (e & 1);
-              const float l = e < 2 ? la : lb;
-              pv[e] = (col <= limit && l != -INFINITY) ? exp2f(s[nt][e] * a.scale_log2 - l) : 0.f;
-            }
-            st_shared_u32(pw + tile_offset(r0, nt) + 4 * t, pack_bf16(pv[0], pv[1]));
-            st_shared_u32(pw + tile_offset(r0 + 8, nt) + 4 * t, pack_bf16(pv[2], pv[3]));
-          }
         }
-        // dP = dO V^T in two halves of 64 keys; dS = P (dP - D) to shared memory.
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          float dp[8][4];
-#pragma unroll
-          for (int i = 0; i < 8; ++i) dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.f;
-#pragma unroll
-          for (int kt = 0; kt < 8; ++kt) {
-            uint32_t af[4];
-            load_a(af, dow, 0, kt * 16, lane);
-#pragma unroll
-            for (int np = 0; np < 4; ++np) {
-              uint32_t bf[4];
-              load_b_nk(bf, vs, hh * 64 + np * 16, kt * 16, lane);
-              mma_bf16(dp[2 * np], af, bf[0], bf[1]);
-              mma_bf16(dp[2 * np + 1], af, bf[2], bf[3]);
-            }
-          }
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            const int nt = hh * 8 + i;
-            // Each thread reads back the P values it wrote itself.
-            const uint32_t pr0 = ld_shared_u32(pw + tile_offset(r0, nt) + 4 * t);
-            const uint32_t pr1 = ld_shared_u32(pw + tile_offset(r0 + 8, nt) + 4 * t);
-            const __nv_bfloat162 pa = *reinterpret_cast<const __nv_bfloat162*>(&pr0);
-            const __nv_bfloat162 pb = *reinterpret_cast<const __nv_bfloat162*>(&pr1);
-            const float ds0 = __low2float(pa) * (dp[i][0] - del_a), ds1 = __high2float(pa) * (dp[i][1] - del_a);
-            const float ds2 = __low2float(pb) * (dp[i][2] - del_b), ds3 = __high2float(pb) * (dp[i][3] - del_b);
-            st_shared_u32(dsw + tile_offset(r0, nt) + 4 * t, pack_bf16(ds0, ds1));
-            st_shared_u32(dsw + tile_offset(r0 + 8, nt) + 4 * t, pack_bf16(ds2, ds3));
-          }
-        }
-      } else {
-        // An empty query slot contributes nothing: zero rows of P and dS.
+        const float la = lse_a * kLog2e, lb = lse_b * kLog2e;
 #pragma unroll
         for (int nt = 0; nt < 16; ++nt) {
-          st_shared_u32(pw + tile_offset(r0, nt) + 4 * t, 0u);
-          st_shared_u32(pw + tile_offset(r0 + 8, nt) + 4 * t, 0u);
-          st_shared_u32(dsw + tile_offset(r0, nt) + 4 * t, 0u);
-          st_shared_u32(dsw + tile_offset(r0 + 8, nt) + 4 * t, 0u);
+          float pv[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int col = nt * 8 + 2 * t + (e & 1);
+            const float l = e < 2 ? la : lb;
+            // An empty query slot (row < 0) contributes nothing: zero P.
+            pv[e] = (row >= 0 && col <= limit && l != -INFINITY) ? exp2f(s[nt][e] * a.scale_log2 - l) : 0.f;
+          }
+          st_shared_u32(ps + tile_offset(128, r16 + r0, nt) + 4 * t, pack_bf16(pv[0], pv[1]));
+          st_shared_u32(ps + tile_offset(128, r16 + r0 + 8, nt) + 4 * t, pack_bf16(pv[2], pv[3]));
+        }
+      }
+      // dP = dO V^T in two halves of 64 keys; dS = P (dP - D) to shared memory.
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        float dp[8][4];
+        if (a.use_wgmma) {
+          wgmma_rows_x64(dp, dos, 128, wg_row, vs, 128, 64 * hh);
+        } else {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.f;
+          if (row >= 0) {
+#pragma unroll
+            for (int kt = 0; kt < 8; ++kt) {
+              uint32_t af[4];
+              load_a(af, dos, 128, r16, kt * 16, lane);
+#pragma unroll
+              for (int np = 0; np < 4; ++np) {
+                uint32_t bf[4];
+                load_b_nk(bf, vs, 128, hh * 64 + np * 16, kt * 16, lane);
+                mma_bf16(dp[2 * np], af, bf[0], bf[1]);
+                mma_bf16(dp[2 * np + 1], af, bf[2], bf[3]);
+              }
+            }
+          }
+        }
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          const int nt = hh * 8 + i;
+          // Each thread reads back the P values it wrote itself (0 for an empty slot).
+          const uint32_t pr0 = ld_shared_u32(ps + tile_offset(128, r16 + r0, nt) + 4 * t);
+          const uint32_t pr1 = ld_shared_u32(ps + tile_offset(128, r16 + r0 + 8, nt) + 4 * t);
+          const __nv_bfloat162 pa = *reinterpret_cast<const __nv_bfloat162*>(&pr0);
+          const __nv_bfloat162 pb = *reinterpret_cast<const __nv_bfloat162*>(&pr1);
+          const float ds0 = __low2float(pa) * (dp[i][0] - del_a), ds1 = __high2float(pa) * (dp[i][1] - del_a);
+          const float ds2 = __low2float(pb) * (dp[i][2] - del_b), ds3 = __high2float(pb) * (dp[i][3] - del_b);
+          st_shared_u32(dss + tile_offset(128, r16 + r0, nt) + 4 * t, pack_bf16(ds0, ds1));
+          st_shared_u32(dss + tile_offset(128, r16 + r0 + 8, nt) + 4 * t, pack_bf16(ds2, ds3));
         }
       }
       __syncthreads();
@@ -191,13 +184,13 @@ __global__ void __launch_bounds__(kThreads, 1) backward_chunks_kernel(const Back
 #pragma unroll
       for (int kt = 0; kt < 8; ++kt) {
         uint32_t pa[4], sa[4];
-        load_a_trans(pa, ps, warp * 16, kt * 16, lane);
-        load_a_trans(sa, dss, warp * 16, kt * 16, lane);
+        load_a_trans(pa, ps, 128, warp * 16, kt * 16, lane);
+        load_a_trans(sa, dss, 128, warp * 16, kt * 16, lane);
 #pragma unroll
         for (int np = 0; np < 8; ++np) {
           uint32_t bo[4], bq[4];
-          load_b_kn(bo, dos, kt * 16, np * 16, lane);
-          load_b_kn(bq, qs, kt * 16, np * 16, lane);
+          load_b_kn(bo, dos, 128, kt * 16, np * 16, lane);
+          load_b_kn(bq, qs, 128, kt * 16, np * 16, lane);
           mma_bf16(dv[2 * np], pa, bo[0], bo[1]);
           mma_bf16(dv[2 * np + 1], pa, bo[2], bo[3]);
           mma_bf16(dk[2 * np], sa, bq[0], bq[1]);
@@ -217,16 +210,15 @@ __global__ void __launch_bounds__(kThreads, 1) backward_chunks_kernel(const Back
 #pragma unroll
           for (int kt = 0; kt < 8; ++kt) {
             uint32_t af[4];
-            load_a(af, dsw, 0, kt * 16, lane);
+            load_a(af, dss, 128, r16, kt * 16, lane);
 #pragma unroll
             for (int np = 0; np < 4; ++np) {
               uint32_t bf[4];
-              load_b_kn(bf, ks, kt * 16, hh * 64 + np * 16, lane);
+              load_b_kn(bf, ks, 128, kt * 16, hh * 64 + np * 16, lane);
               mma_bf16(dq[2 * np], af, bf[0], bf[1]);
               mma_bf16(dq[2 * np + 1], af, bf[2], bf[3]);
             }
           }
-          const int64_t hrow = int64_t(row) * a.Hq + 16 * g + r0;
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
             const int dim = hh * 64 + i * 8 + 2 * t;
@@ -347,6 +339,7 @@ void sparse_attention_backward(const Topology& topo, const PackedLayout& L, cons
   a.scale = topo.attention_scale();
   a.scale_log2 = a.scale * kLog2e;
   a.deterministic = opt.deterministic;
+  a.use_wgmma = use_wgmma() ? 1 : 0;
 
   // D and a bf16 dO.
   __nv_bfloat16* dout16 = p.dout.dtype == DType::f32 ? ws<__nv_bfloat16>(st, w.dout16) : nullptr;

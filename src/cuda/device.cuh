@@ -50,56 +50,81 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-// A tile of rows of 128 bf16 (256 bytes) in shared memory. The 16-byte chunk c of row r is
-// stored at chunk c ^ (r & 7), so the 8 row addresses of an ldmatrix hit 8 different bank
-// groups.
-__device__ __forceinline__ uint32_t tile_offset(int row, int chunk) { return uint32_t(row * 256 + ((chunk ^ (row & 7)) << 4)); }
+// A tile of `rows` rows of 128 bf16 in shared memory, in the layout wgmma reads with 128-byte
+// swizzling: two column halves (elements 0-63 and 64-127), each `rows` x 128 bytes; the
+// 16-byte chunk c of row r within a half sits at chunk c ^ (r & 7). Tiles start at a
+// multiple of 1024 bytes. The same layout keeps the 8 row addresses of an ldmatrix in 8
+// different bank groups.
+__device__ __forceinline__ uint32_t tile_offset(int rows, int row, int chunk) {
+  return uint32_t((chunk >> 3) * rows * 128 + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
+}
 
 // A fragment (16 rows x 16 columns at (row0, col0)) of a row-major tile.
-__device__ __forceinline__ void load_a(uint32_t (&a)[4], uint32_t tile, int row0, int col0, int lane) {
+__device__ __forceinline__ void load_a(uint32_t (&a)[4], uint32_t tile, int rows, int row0, int col0, int lane) {
   const int row = row0 + (lane & 15);
   const int chunk = (col0 >> 3) + (lane >> 4);
-  ldmatrix_x4(a, tile + tile_offset(row, chunk));
+  ldmatrix_x4(a, tile + tile_offset(rows, row, chunk));
 }
 
 // B fragments of two n-tiles (n0, n0 + 8) over k = col0..col0+15, when the tile stores B
 // transposed (rows = n, columns = k), e.g. K for S = Q K^T: b[0], b[1] for n-tile n0 and
 // b[2], b[3] for n-tile n0 + 8.
-__device__ __forceinline__ void load_b_nk(uint32_t (&b)[4], uint32_t tile, int n0, int col0, int lane) {
+__device__ __forceinline__ void load_b_nk(uint32_t (&b)[4], uint32_t tile, int rows, int n0, int col0, int lane) {
   const int row = n0 + (lane & 7) + ((lane >> 4) << 3);
   const int chunk = (col0 >> 3) + ((lane >> 3) & 1);
-  ldmatrix_x4(b, tile + tile_offset(row, chunk));
+  ldmatrix_x4(b, tile + tile_offset(rows, row, chunk));
 }
 
 // B fragments of two n-tiles (col0, col0 + 8) over k = k0..k0+15, when the tile stores B
 // as rows = k, columns = n, e.g. V for O = P V.
-__device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], uint32_t tile, int k0, int col0, int lane) {
+__device__ __forceinline__ void load_b_kn(uint32_t (&b)[4], uint32_t tile, int rows, int k0, int col0, int lane) {
   const int row = k0 + (lane & 7) + (((lane >> 3) & 1) << 3);
   const int chunk = (col0 >> 3) + (lane >> 4);
-  ldmatrix_x4_trans(b, tile + tile_offset(row, chunk));
+  ldmatrix_x4_trans(b, tile + tile_offset(rows, row, chunk));
 }
 
 // A fragments of the transpose of a tile: A = T^T (16 x 16 at A-rows m0, A-cols k0), where T
 // stores rows = k, columns = m (e.g. P^T from a [query rows, keys] tile of P).
-__device__ __forceinline__ void load_a_trans(uint32_t (&a)[4], uint32_t tile, int m0, int k0, int lane) {
+__device__ __forceinline__ void load_a_trans(uint32_t (&a)[4], uint32_t tile, int rows, int m0, int k0, int lane) {
   // a0: m 0-7, k 0-7; a1: m 8-15, k 0-7; a2: m 0-7, k 8-15; a3: m 8-15, k 8-15.
   const int mat = lane >> 3;
   const int row = k0 + (lane & 7) + ((mat >> 1) << 3);
   const int chunk = (m0 >> 3) + (mat & 1);
-  ldmatrix_x4_trans(a, tile + tile_offset(row, chunk));
+  ldmatrix_x4_trans(a, tile + tile_offset(rows, row, chunk));
 }
 
-// Copies `rows` rows of 128 bf16 (row stride `src_stride` elements) into a swizzled tile;
-// rows at or beyond `valid_rows` are zero-filled. Threads [0, nthreads) take part.
-__device__ __forceinline__ void load_tile_async(uint32_t tile, const __nv_bfloat16* src, int64_t src_stride, int rows,
-                                                int valid_rows, int tid, int nthreads) {
-  for (int i = tid; i < rows * 16; i += nthreads) {
+// Copies `count` rows of 128 bf16 (row stride `src_stride` elements) into rows row0.. of a
+// tile of `rows` rows; rows at or beyond `valid` (counted from row0) are zero-filled. Threads
+// [0, nthreads) take part.
+__device__ __forceinline__ void load_tile_async(uint32_t tile, int rows, int row0, const __nv_bfloat16* src,
+                                                int64_t src_stride, int count, int valid, int tid, int nthreads) {
+  for (int i = tid; i < count * 16; i += nthreads) {
     const int r = i >> 4, c = i & 15;
-    const bool ok = r < valid_rows;
+    const bool ok = r < valid;
     const __nv_bfloat16* s = src + (ok ? int64_t(r) * src_stride + c * 8 : 0);
-    cp_async16(tile + tile_offset(r, c), s, ok ? 16 : 0);
+    cp_async16(tile + tile_offset(rows, row0 + r, c), s, ok ? 16 : 0);
   }
 }
+
+__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
+  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
+}
+__device__ __forceinline__ uint32_t ld_shared_u32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ uint4 ld_shared_v4(uint32_t addr) {
+  uint4 v;
+  asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr) : "memory");
+  return v;
+}
+__device__ __forceinline__ void st_shared_v4_zero(uint32_t addr) {
+  asm volatile("st.shared.v4.b32 [%0], {%1,%1,%1,%1};\n" ::"r"(addr), "r"(0) : "memory");
+}
+
+// Rounds a shared-memory address up to a multiple of 1024 bytes (swizzled tiles need it).
+__device__ __forceinline__ uint32_t align1024(uint32_t addr) { return (addr + 1023u) & ~1023u; }
 
 __device__ __forceinline__ float warp_max4(float v) {  // over the 4 lanes of a quad
   v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));

@@ -9,6 +9,7 @@
 #include "backend.h"
 #include "cuda/common.cuh"
 #include "cuda/device.cuh"
+#include "cuda/wgmma.cuh"
 #include "cuda/workspace.h"
 
 namespace msa::cuda {
@@ -17,8 +18,9 @@ namespace {
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kTileBytes = 128 * 256;                       // 128 rows of 128 bf16
-constexpr int kStageBytes = 3 * kTileBytes;                 // K, V, 8 x (16 rows of Q)
-constexpr int kSmemBytes = 2 * kStageBytes + 2 * kWarps * 4 * 4;
+constexpr int kStageBytes = 3 * kTileBytes;                 // K, V, Q (warp w: rows 16w..16w+15)
+constexpr int kMetaBytes = 2 * kWarps * 4 * 4;
+constexpr int kSmemBytes = 2 * kStageBytes + kMetaBytes + 1024;  // + alignment slack
 
 struct ForwardArgs {
   const __nv_bfloat16* q;  // [Tq, Hq, 128]
@@ -36,6 +38,7 @@ struct ForwardArgs {
   int Hq, Hkv;
   int nsub;                   // tasks per schedule item: ceil(q_per_cta / 8)
   float scale_log2;           // softmax scale * log2(e)
+  int use_wgmma;              // S = Q K^T on wgmma (else mma.sync)
 };
 
 // Issues the cp.async loads of one task into a stage and records per-warp metadata:
@@ -49,46 +52,56 @@ __device__ void load_task(const ForwardArgs& a, int64_t task, uint32_t stage, in
   const int key0 = j * 128;
   const int nkeys = min(128, d.k_len - key0);
   const int64_t kv_off = (int64_t(d.k_start + key0) * a.Hkv + g) * 128;
-  load_tile_async(stage, a.k + kv_off, int64_t(a.Hkv) * 128, 128, nkeys, tid, kThreads);
-  load_tile_async(stage + kTileBytes, a.v + kv_off, int64_t(a.Hkv) * 128, 128, nkeys, tid, kThreads);
+  load_tile_async(stage, 128, 0, a.k + kv_off, int64_t(a.Hkv) * 128, 128, nkeys, tid, kThreads);
+  load_tile_async(stage + kTileBytes, 128, 0, a.v + kv_off, int64_t(a.Hkv) * 128, 128, nkeys, tid, kThreads);
   const int w = tid >> 5, lane = tid & 31;
   const int qi = sub * 8 + w;
   if (qi < q_count) {
     const int64_t e = int64_t(g) * a.total_q * 16 + q_begin + qi;
     const int ql = a.q_indices[e];
     const int row = d.q_start + ql;
-    load_tile_async(stage + 2 * kTileBytes + w * 16 * 256, a.q + (int64_t(row) * a.Hq + 16 * g) * 128, 128, 16, 16,
-                    lane, 32);
+    load_tile_async(stage + 2 * kTileBytes, 128, 16 * w, a.q + (int64_t(row) * a.Hq + 16 * g) * 128, 128, 16, 16, lane,
+                    32);
     if (lane == 0) {
       meta[4 * w] = row;
       meta[4 * w + 1] = a.split_slot[e];
       meta[4 * w + 2] = d.k_len - d.q_len + ql - key0;
       meta[4 * w + 3] = g;
     }
-  } else if (lane == 0) {
-    meta[4 * w] = -1;
+  } else {
+    // Zero rows keep the warpgroup's S product finite; the warp's results are not used.
+    load_tile_async(stage + 2 * kTileBytes, 128, 16 * w, a.q, 128, 16, 0, lane, 32);
+    if (lane == 0) meta[4 * w] = -1;
   }
 }
 
 __device__ void compute_task(const ForwardArgs& a, uint32_t stage, const int* meta, int warp, int lane) {
   const int row = meta[4 * warp];
-  if (row < 0) return;
   const int slot = meta[4 * warp + 1], limit = meta[4 * warp + 2], g = meta[4 * warp + 3];
-  const uint32_t ks = stage, vs = stage + kTileBytes, qs = stage + 2 * kTileBytes + warp * 16 * 256;
+  const uint32_t ks = stage, vs = stage + kTileBytes, qs = stage + 2 * kTileBytes;
+  const int r16 = 16 * warp;
 
   float s[16][4];
+  if (a.use_wgmma) {
+    // The warpgroup's 4 queries (64 rows) against the 128 keys, all warps take part.
+    wgmma_rows_x128(s, qs, 128, 64 * (warp >> 2), ks, 128, 0);
+    warpgroup_barrier(warp >> 2);  // every warp's Q rows are read before any warp reuses them
+    if (row < 0) return;
+  } else {
+    if (row < 0) return;
 #pragma unroll
-  for (int i = 0; i < 16; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+    for (int i = 0; i < 16; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
 #pragma unroll
-  for (int kt = 0; kt < 8; ++kt) {
-    uint32_t af[4];
-    load_a(af, qs, 0, kt * 16, lane);
+    for (int kt = 0; kt < 8; ++kt) {
+      uint32_t af[4];
+      load_a(af, qs, 128, r16, kt * 16, lane);
 #pragma unroll
-    for (int np = 0; np < 8; ++np) {
-      uint32_t bf[4];
-      load_b_nk(bf, ks, np * 16, kt * 16, lane);
-      mma_bf16(s[2 * np], af, bf[0], bf[1]);
-      mma_bf16(s[2 * np + 1], af, bf[2], bf[3]);
+      for (int np = 0; np < 8; ++np) {
+        uint32_t bf[4];
+        load_b_nk(bf, ks, 128, np * 16, kt * 16, lane);
+        mma_bf16(s[2 * np], af, bf[0], bf[1]);
+        mma_bf16(s[2 * np + 1], af, bf[2], bf[3]);
+      }
     }
   }
   const int t = lane & 3;
@@ -134,7 +147,7 @@ __device__ void compute_task(const ForwardArgs& a, uint32_t stage, const int* me
 #pragma unroll
     for (int np = 0; np < 8; ++np) {
       uint32_t bf[4];
-      load_b_kn(bf, vs, kt * 16, np * 16, lane);
+      load_b_kn(bf, vs, 128, kt * 16, np * 16, lane);
       mma_bf16(o[2 * np], af, bf[0], bf[1]);
       mma_bf16(o[2 * np + 1], af, bf[2], bf[3]);
     }
@@ -145,10 +158,8 @@ __device__ void compute_task(const ForwardArgs& a, uint32_t stage, const int* me
   __syncwarp();
 #pragma unroll
   for (int nt = 0; nt < 16; ++nt) {
-    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(qs + tile_offset(r0, nt) + 4 * t),
-                 "r"(pack_bf16(o[nt][0] * inv0, o[nt][1] * inv0)));
-    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(qs + tile_offset(r0 + 8, nt) + 4 * t),
-                 "r"(pack_bf16(o[nt][2] * inv1, o[nt][3] * inv1)));
+    st_shared_u32(qs + tile_offset(128, r16 + r0, nt) + 4 * t, pack_bf16(o[nt][0] * inv0, o[nt][1] * inv0));
+    st_shared_u32(qs + tile_offset(128, r16 + r0 + 8, nt) + 4 * t, pack_bf16(o[nt][2] * inv1, o[nt][3] * inv1));
   }
   __syncwarp();
   const int64_t out_row = (int64_t(slot) * a.total_q + row) * a.Hq + 16 * g;
@@ -156,11 +167,7 @@ __device__ void compute_task(const ForwardArgs& a, uint32_t stage, const int* me
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int c = i * 32 + lane, r = c >> 4, ch = c & 15;
-    uint4 val;
-    asm volatile("ld.shared.v4.b32 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(val.x), "=r"(val.y), "=r"(val.z), "=r"(val.w)
-                 : "r"(qs + tile_offset(r, ch)));
-    *reinterpret_cast<uint4*>(dst + r * 128 + ch * 8) = val;
+    *reinterpret_cast<uint4*>(dst + r * 128 + ch * 8) = ld_shared_v4(qs + tile_offset(128, r16 + r, ch));
   }
   if (t == 0) {
     constexpr float kLn2 = 0.6931471805599453f;
@@ -174,8 +181,8 @@ __global__ void __launch_bounds__(kThreads, 1) forward_tasks_kernel(const Forwar
   if (a.status[0] != 0) return;
   const int64_t tasks = int64_t(*a.work_count) * a.nsub;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  int* meta = reinterpret_cast<int*>(smem + 2 * kStageBytes);
-  const uint32_t base = smem_addr(smem);
+  const uint32_t base = align1024(smem_addr(smem));
+  int* meta = reinterpret_cast<int*>(smem + (base - smem_addr(smem)) + 2 * kStageBytes);
   int64_t task = blockIdx.x;
   if (task >= tasks) return;
   load_task(a, task, base, meta, tid);
@@ -186,6 +193,7 @@ __global__ void __launch_bounds__(kThreads, 1) forward_tasks_kernel(const Forwar
     if (next < tasks) load_task(a, next, base + (stage ^ 1) * kStageBytes, meta + (stage ^ 1) * 4 * kWarps, tid);
     cp_async_commit();
     cp_async_wait<1>();
+    fence_proxy_async();
     __syncthreads();
     compute_task(a, base + stage * kStageBytes, meta + stage * 4 * kWarps, warp, lane);
     __syncthreads();
@@ -274,6 +282,7 @@ void sparse_attention_forward(const Topology& topo, const PackedLayout& L, const
   a.Hkv = topo.num_kv_heads;
   a.nsub = int(ceil_div(plan.q_per_cta, 8));
   a.scale_log2 = topo.attention_scale() * 1.4426950408889634f;
+  a.use_wgmma = use_wgmma() ? 1 : 0;
   const int64_t max_tasks = st.schedule_capacity * a.nsub;
   if (max_tasks > 0) {
     MSA_CUDA_CHECK(cudaFuncSetAttribute(forward_tasks_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));

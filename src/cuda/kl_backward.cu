@@ -11,6 +11,7 @@
 #include "cuda/common.cuh"
 #include "cuda/device.cuh"
 #include "cuda/reduce.cuh"
+#include "cuda/wgmma.cuh"
 #include "cuda/workspace.h"
 
 namespace msa::cuda {
@@ -20,7 +21,7 @@ constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kTile = 128 * 256;
 constexpr int kSmall = 16 * 256;
-constexpr int kSmemBytes = 3 * kTile + 2 * kSmall + 8 * 128 * 4 + kWarps * 4 * 4;
+constexpr int kSmemBytes = 3 * kTile + 2 * kSmall + 8 * 128 * 4 + kWarps * 4 * 4 + 1024;  // + alignment slack
 constexpr float kLog2e = 1.4426950408889634f;
 
 struct KlArgs {
@@ -44,25 +45,24 @@ struct KlArgs {
   int Hq, Hkv;
   float scale_log2, index_scale, index_scale_log2, grad_scale;
   bool deterministic;
+  int use_wgmma;  // teacher scores S = Q K^T on wgmma
 };
-
-__device__ __forceinline__ void st_shared_u32(uint32_t addr, uint32_t v) {
-  asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(v) : "memory");
-}
 
 __global__ void __launch_bounds__(kThreads, 1) kl_chunks_kernel(const KlArgs a) {
   extern __shared__ __align__(128) unsigned char smem[];
   if (a.status[0] != 0) return;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, t = lane & 3, r0 = lane >> 2;
-  const uint32_t ks = smem_addr(smem), iks = ks + kTile, qs = ks + 2 * kTile, iqs = ks + 3 * kTile,
+  const uint32_t ks = align1024(smem_addr(smem)), iks = ks + kTile, qs = ks + 2 * kTile, iqs = ks + 3 * kTile,
                  dst = iqs + kSmall;
-  float* teacher = reinterpret_cast<float*>(smem + 3 * kTile + 2 * kSmall);  // [8][128]
-  int* meta = reinterpret_cast<int*>(smem + 3 * kTile + 2 * kSmall + 8 * 128 * 4);
+  unsigned char* tail = smem + (ks - smem_addr(smem)) + 3 * kTile + 2 * kSmall;
+  float* teacher = reinterpret_cast<float*>(tail);  // [8][128]
+  int* meta = reinterpret_cast<int*>(tail + 8 * 128 * 4);
+  const int r16 = 16 * warp;
   // Rows 8..15 of the index-query and ds tiles stay zero (m16 tiles with 8 queries).
   for (int i = tid; i < 8 * 16; i += kThreads) {
     const int r = 8 + (i >> 4), c = i & 15;
-    asm volatile("st.shared.v4.b32 [%0], {%1,%1,%1,%1};\n" ::"r"(iqs + tile_offset(r, c)), "r"(0) : "memory");
-    asm volatile("st.shared.v4.b32 [%0], {%1,%1,%1,%1};\n" ::"r"(dst + tile_offset(r, c)), "r"(0) : "memory");
+    st_shared_v4_zero(iqs + tile_offset(16, r, c));
+    st_shared_v4_zero(dst + tile_offset(16, r, c));
   }
   const int nchunks = *a.chunk_count;
   const int Hi = a.Hkv;
@@ -74,9 +74,9 @@ __global__ void __launch_bounds__(kThreads, 1) kl_chunks_kernel(const KlArgs a) 
     const int key0 = j * 128;
     const int nkeys = min(128, d.k_len - key0);
     const int64_t edge0 = int64_t(g) * a.total_q * 16 + q_begin;
-    load_tile_async(ks, a.k + (int64_t(d.k_start + key0) * a.Hkv + g) * 128, int64_t(a.Hkv) * 128, 128, nkeys, tid,
-                    kThreads);
-    load_tile_async(iks, a.ik + int64_t(d.k_start + key0) * 128, 128, 128, nkeys, tid, kThreads);
+    load_tile_async(ks, 128, 0, a.k + (int64_t(d.k_start + key0) * a.Hkv + g) * 128, int64_t(a.Hkv) * 128, 128, nkeys,
+                    tid, kThreads);
+    load_tile_async(iks, 128, 0, a.ik + int64_t(d.k_start + key0) * 128, 128, 128, nkeys, tid, kThreads);
     float dki[16][4];
 #pragma unroll
     for (int i = 0; i < 16; ++i) dki[i][0] = dki[i][1] = dki[i][2] = dki[i][3] = 0.f;
@@ -98,38 +98,42 @@ __global__ void __launch_bounds__(kThreads, 1) kl_chunks_kernel(const KlArgs a) 
         } else if (lane == 0) {
           meta[4 * warp] = -1;
         }
-        load_tile_async(qs + warp * 16 * 256, a.q + (int64_t(row) * a.Hq + 16 * g) * 128, 128, 16, valid ? 16 : 0, lane,
-                        32);
+        load_tile_async(qs, 128, r16, a.q + (int64_t(row) * a.Hq + 16 * g) * 128, 128, 16, valid ? 16 : 0, lane, 32);
         if (lane < 16) {
           const __nv_bfloat16* src = a.iq + (int64_t(row) * Hi + g) * 128 + lane * 8;
-          cp_async16(iqs + tile_offset(warp, lane), valid ? src : a.iq, valid ? 16 : 0);
+          cp_async16(iqs + tile_offset(16, warp, lane), valid ? src : a.iq, valid ? 16 : 0);
         }
       }
       cp_async_commit();
       cp_async_wait<0>();
+      fence_proxy_async();
       __syncthreads();
       // Teacher of warp w's query: column sums of exp(S scale - lse) over its 16 heads.
       {
         const int row = meta[4 * warp], limit = meta[4 * warp + 2];
         float colsum[16][2];
-        if (row >= 0) {
-          const int64_t hrow = int64_t(row) * a.Hq + 16 * g + r0;
-          const float la = a.lse[hrow] * kLog2e, lb = a.lse[hrow + 8] * kLog2e;
-          float s[16][4];
+        float s[16][4];
+        if (a.use_wgmma) {
+          wgmma_rows_x128(s, qs, 128, 64 * (warp >> 2), ks, 128, 0);
+        } else if (row >= 0) {
 #pragma unroll
           for (int i = 0; i < 16; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
 #pragma unroll
           for (int kt = 0; kt < 8; ++kt) {
             uint32_t af[4];
-            load_a(af, qs + warp * 16 * 256, 0, kt * 16, lane);
+            load_a(af, qs, 128, r16, kt * 16, lane);
 #pragma unroll
             for (int np = 0; np < 8; ++np) {
               uint32_t bf[4];
-              load_b_nk(bf, ks, np * 16, kt * 16, lane);
+              load_b_nk(bf, ks, 128, np * 16, kt * 16, lane);
               mma_bf16(s[2 * np], af, bf[0], bf[1]);
               mma_bf16(s[2 * np + 1], af, bf[2], bf[3]);
             }
           }
+        }
+        if (row >= 0) {
+          const int64_t hrow = int64_t(row) * a.Hq + 16 * g + r0;
+          const float la = a.lse[hrow] * kLog2e, lb = a.lse[hrow + 8] * kLog2e;
 #pragma unroll
           for (int nt = 0; nt < 16; ++nt)
 #pragma unroll
@@ -162,8 +166,8 @@ __global__ void __launch_bounds__(kThreads, 1) kl_chunks_kernel(const KlArgs a) 
 #pragma unroll
         for (int kt = 0; kt < 8; ++kt) {
           uint32_t af[4], bf[4];
-          load_a(af, iqs, 0, kt * 16, lane);
-          load_b_nk(bf, iks, warp * 16, kt * 16, lane);
+          load_a(af, iqs, 16, 0, kt * 16, lane);
+          load_b_nk(bf, iks, 128, warp * 16, kt * 16, lane);
           mma_bf16(si[0], af, bf[0], bf[1]);
           mma_bf16(si[1], af, bf[2], bf[3]);
         }
@@ -182,7 +186,7 @@ __global__ void __launch_bounds__(kThreads, 1) kl_chunks_kernel(const KlArgs a) 
             }
             ds[e] = v;
           }
-          st_shared_u32(dst + tile_offset(r0, warp * 2 + nt) + 4 * t, pack_bf16(ds[0], ds[1]));
+          st_shared_u32(dst + tile_offset(16, r0, warp * 2 + nt) + 4 * t, pack_bf16(ds[0], ds[1]));
         }
       }
       __syncthreads();
@@ -192,8 +196,8 @@ __global__ void __launch_bounds__(kThreads, 1) kl_chunks_kernel(const KlArgs a) 
 #pragma unroll
         for (int kt = 0; kt < 8; ++kt) {
           uint32_t af[4], bf[4];
-          load_a(af, dst, 0, kt * 16, lane);
-          load_b_kn(bf, iks, kt * 16, warp * 16, lane);
+          load_a(af, dst, 16, 0, kt * 16, lane);
+          load_b_kn(bf, iks, 128, kt * 16, warp * 16, lane);
           mma_bf16(dq[0], af, bf[0], bf[1]);
           mma_bf16(dq[1], af, bf[2], bf[3]);
         }
@@ -213,11 +217,11 @@ __global__ void __launch_bounds__(kThreads, 1) kl_chunks_kernel(const KlArgs a) 
       // d index_k += ds^T qi (warp w: keys 16w..16w+15; k = the 16 query rows).
       {
         uint32_t af[4];
-        load_a_trans(af, dst, warp * 16, 0, lane);
+        load_a_trans(af, dst, 16, warp * 16, 0, lane);
 #pragma unroll
         for (int np = 0; np < 8; ++np) {
           uint32_t bf[4];
-          load_b_kn(bf, iqs, 0, np * 16, lane);
+          load_b_kn(bf, iqs, 16, 0, np * 16, lane);
           mma_bf16(dki[2 * np], af, bf[0], bf[1]);
           mma_bf16(dki[2 * np + 1], af, bf[2], bf[3]);
         }
@@ -286,6 +290,7 @@ void kl_backward(const Topology& topo, const PackedLayout& L, const SparsePlan& 
   a.index_scale_log2 = a.index_scale * kLog2e;
   a.grad_scale = p.grad_scale > 0 ? p.grad_scale : (Tq > 0 ? 1.0f / float(int64_t(Hi) * Tq) : 0.f);
   a.deterministic = opt.deterministic;
+  a.use_wgmma = use_wgmma() ? 1 : 0;
   if (!opt.deterministic) {
     MSA_CUDA_CHECK(cudaMemsetAsync(a.dqi_acc, 0, size_t(Tq * Hi * 128 * 4), s));
     MSA_CUDA_CHECK(cudaMemsetAsync(a.dki_acc, 0, size_t(Tk * 128 * 4), s));

@@ -1,7 +1,9 @@
 // Memory, copies and device queries of the CUDA backend.
 #include <cuda_runtime.h>
 
+#include <cstdlib>
 #include <mutex>
+#include <string>
 #include <sstream>
 #include <vector>
 
@@ -36,6 +38,14 @@ int sm_count() {
   if (counts[size_t(device)] == 0)
     MSA_CUDA_CHECK(cudaDeviceGetAttribute(&counts[size_t(device)], cudaDevAttrMultiProcessorCount, device));
   return counts[size_t(device)];
+}
+
+bool use_wgmma() {
+  static const bool on = [] {
+    const char* v = std::getenv("MSA_CUDA_MMA");
+    return !(v && std::string(v) == "sync");
+  }();
+  return on;
 }
 
 std::vector<DocInfo> doc_table(const PackedLayout& layout) {

@@ -17,6 +17,7 @@
 #include "backend.h"
 #include "cuda/common.cuh"
 #include "cuda/device.cuh"
+#include "cuda/wgmma.cuh"
 
 namespace msa::cuda {
 namespace {
@@ -24,7 +25,7 @@ namespace {
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kTileBytes = 128 * 256;
-constexpr int kSmemBytes = 2 * kTileBytes + kWarps * 16 * 256;
+constexpr int kSmemBytes = 3 * kTileBytes + 1024;  // two key stages, the query tile, alignment slack
 constexpr int kMaxDocs = 320;  // documents per launch (kernel parameter space)
 constexpr int kList = 15;      // ranked history slots at most (topk 16, local >= 1)
 
@@ -45,6 +46,7 @@ struct IndexerArgs {
   int init_blocks, local_blocks;
   float scale;           // index score = scale * <qi, ki>
   float lse_scale_log2;  // scale / temperature * log2(e)
+  int use_wgmma;
 };
 
 __device__ __forceinline__ float nan_max(float m, float x) { return (x > m || x != x) ? x : m; }
@@ -91,15 +93,19 @@ __global__ void __launch_bounds__(kThreads, 1) select_blocks_kernel(const Indexe
   const int wq0 = 16 * (warp / a.Hi);
   const int wrows = max(0, min(16, nq - wq0));
   const int warp_nblk = wrows > 0 ? (pos0 + wq0 + wrows - 1) / 128 + 1 : 0;
+  // Blocks the warpgroup computes (wgmma is collective): up to its last query's local block.
+  const int wg_first = 16 * ((warp & ~3) / a.Hi), wg_last = min(nq, 16 * ((warp | 3) / a.Hi) + 16) - 1;
+  const int wg_nblk = wg_first < nq ? (pos0 + wg_last) / 128 + 1 : 0;
+  const int compute_nblk = a.use_wgmma ? wg_nblk : warp_nblk;
 
-  const uint32_t kst = smem_addr(smem);
-  const uint32_t qs = kst + 2 * kTileBytes + warp * 16 * 256;
+  const uint32_t kst = align1024(smem_addr(smem));
+  const uint32_t qs = kst + 2 * kTileBytes;
   auto load_keys = [&](int j, int stage) {
-    load_tile_async(kst + stage * kTileBytes, a.ik + int64_t(k_start + j * 128) * 128, 128, 128, min(128, k_len - j * 128),
-                    tid, kThreads);
+    load_tile_async(kst + stage * kTileBytes, 128, 0, a.ik + int64_t(k_start + j * 128) * 128, 128, 128,
+                    min(128, k_len - j * 128), tid, kThreads);
   };
-  if (wrows > 0)
-    load_tile_async(qs, a.iq + (int64_t(q_start + q0 + wq0) * a.Hi + g) * 128, int64_t(a.Hi) * 128, 16, wrows, lane, 32);
+  load_tile_async(qs, 128, 16 * warp, a.iq + (int64_t(q_start + q0 + min(wq0, nq - 1)) * a.Hi + g) * 128,
+                  int64_t(a.Hi) * 128, 16, wrows, lane, 32);
   load_keys(0, 0);
   cp_async_commit();
 
@@ -128,24 +134,29 @@ __global__ void __launch_bounds__(kThreads, 1) select_blocks_kernel(const Indexe
     if (j + 1 < nblocks) load_keys(j + 1, (j + 1) & 1);
     cp_async_commit();
     cp_async_wait<1>();
+    fence_proxy_async();
     __syncthreads();
-    if (j == 0 && wrows > 0) {
+    if (j == 0 && wrows > 0 && !a.use_wgmma) {
 #pragma unroll
-      for (int kt = 0; kt < 8; ++kt) load_a(af[kt], qs, 0, kt * 16, lane);
+      for (int kt = 0; kt < 8; ++kt) load_a(af[kt], qs, 128, 16 * warp, kt * 16, lane);
     }
-    if (j < warp_nblk) {
+    if (j < compute_nblk) {
       const uint32_t ks = kst + (j & 1) * kTileBytes;
       float s[16][4];
+      if (a.use_wgmma) {
+        wgmma_rows_x128(s, qs, 128, 64 * (warp >> 2), ks, 128, 0);
+      } else {
 #pragma unroll
-      for (int i = 0; i < 16; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+        for (int i = 0; i < 16; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
 #pragma unroll
-      for (int kt = 0; kt < 8; ++kt) {
+        for (int kt = 0; kt < 8; ++kt) {
 #pragma unroll
-        for (int np = 0; np < 8; ++np) {
-          uint32_t bf[4];
-          load_b_nk(bf, ks, np * 16, kt * 16, lane);
-          mma_bf16(s[2 * np], af[kt], bf[0], bf[1]);
-          mma_bf16(s[2 * np + 1], af[kt], bf[2], bf[3]);
+          for (int np = 0; np < 8; ++np) {
+            uint32_t bf[4];
+            load_b_nk(bf, ks, 128, np * 16, kt * 16, lane);
+            mma_bf16(s[2 * np], af[kt], bf[0], bf[1]);
+            mma_bf16(s[2 * np + 1], af[kt], bf[2], bf[3]);
+          }
         }
       }
       const int la = pa - j * 128, lb = pb - j * 128;  // last visible key of rows a, b
@@ -271,6 +282,7 @@ void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBloc
   a.local_blocks = topo.local_blocks;
   a.scale = topo.indexer_scale();
   a.lse_scale_log2 = topo.indexer_scale() / p.lse_temperature * 1.4426950408889634f;
+  a.use_wgmma = use_wgmma() ? 1 : 0;
 
   // Longest documents first, so the heaviest tiles start early.
   std::vector<int> order(size_t(L.num_documents()));
