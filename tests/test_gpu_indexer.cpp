@@ -153,7 +153,9 @@ TEST(GpuIndexer, NanScoresAreNeverSelected) {
   compare_selections(topo, L, in, gpu.topk, cpu.topk, 5e-3, same);
   const auto g = gpu.lse.floats(), w = cpu.lse.floats();
   for (size_t i = 0; i < g.size(); ++i) {
-    if (same[i]) ASSERT_EQ(std::isnan(g[i]), std::isnan(w[i])) << "selected_lse NaN pattern differs at " << i;
+    if (same[i]) {
+      ASSERT_EQ(std::isnan(g[i]), std::isnan(w[i])) << "selected_lse NaN pattern differs at " << i;
+    }
   }
   compare_lse(gpu.lse, cpu.lse, same);
 }
