@@ -34,6 +34,12 @@ import subprocess
 import sys
 import time
 
+import torch
+import torch.distributed as dist
+
+import msa.torch as mt
+from msa.torch import context_parallel as cp
+
 HERE = pathlib.Path(__file__).resolve().parent
 DATA = HERE / "data" / "training_packs_192k.jsonl"
 
@@ -69,8 +75,9 @@ def launch(args, argv):
 
     rest = _without_options(argv, ("--launch", "--json"))
     out = args.json or tempfile.mktemp(suffix=".jsonl")
-    open(out, "a").close()
-    start = sum(1 for _ in open(out))
+    with open(out, "a+") as f:
+        f.seek(0)
+        start = sum(1 for _ in f)
     for world in args.launch:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                str(pathlib.Path(__file__).resolve()), *rest, "--json", out]
@@ -82,7 +89,8 @@ def launch(args, argv):
         if rc != 0:
             print(f"world size {world}: exit code {rc}", file=sys.stderr)
             return rc
-    rows = [json.loads(line) for i, line in enumerate(open(out)) if i >= start]
+    with open(out) as f:
+        rows = [json.loads(line) for i, line in enumerate(f) if i >= start]
     print_summary(rows)
     return 0
 
@@ -140,13 +148,47 @@ def read_packs(path, ids):
     return [(i, packs[i]) for i in ids]
 
 
+def random_inputs(n, hq, hkv, layer, device, seed):
+    """This rank's leaves (q, k, v, index_q, index_k, or the layer's hidden states) and dout."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=gen, device=device) * 0.2).to(torch.bfloat16)
+
+    if layer is None:
+        leaves = [rand(n, hq, 128), rand(n, hkv, 128), rand(n, hkv, 128), rand(n, hkv, 128), rand(n, 1, 128)]
+        return [t.requires_grad_(True) for t in leaves], rand(n, hq, 128)
+    return [rand(n, layer.hidden_size).requires_grad_(True)], rand(n, layer.hidden_size)
+
+
+def sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed_step(args, shard, leaves, dout, cp_layer, device):
+    """One forward + backward after a barrier: (forward ms, step ms) on this rank."""
+    for t in leaves:
+        t.grad = None
+    if cp_layer is not None:
+        cp_layer.zero_grad(set_to_none=True)
+    dist.barrier()
+    sync(device)
+    t0 = time.perf_counter()
+    if cp_layer is None:
+        out = cp.context_parallel_sparse_attention(*leaves, shard, deterministic=args.deterministic,
+                                                   save_gathered=args.save_gathered)
+    else:
+        out = cp_layer(leaves[0], shard)
+    sync(device)
+    t1 = time.perf_counter()
+    out.backward(dout)
+    sync(device)
+    t2 = time.perf_counter()
+    return (t1 - t0) * 1e3, (t2 - t0) * 1e3
+
+
 def run_rank(args):
-    import torch
-    import torch.distributed as dist
-
-    import msa.torch as mt
-    from msa.torch import context_parallel as cp
-
     device_type = args.device or ("cpu" if args.smoke else "cuda")
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -164,16 +206,12 @@ def run_rank(args):
     chunk = max(16, args.chunk_size // args.scale) if args.smoke else args.chunk_size
     repeats, warmup = (1, 0) if args.smoke else (args.repeats, args.warmup)
 
-    def sync():
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-
-    layer = None
+    layer = cp_layer = None
     if args.layer:
-        hidden = 256 if args.smoke else 6144
         torch.manual_seed(0)
-        layer = mt.MiniMaxM3SparseAttention(hidden_size=hidden, num_q_heads=hq, num_kv_heads=hkv,
-                                            deterministic=args.deterministic, device=device, dtype=torch.bfloat16)
+        layer = mt.MiniMaxM3SparseAttention(hidden_size=256 if args.smoke else 6144, num_q_heads=hq,
+                                            num_kv_heads=hkv, deterministic=args.deterministic, device=device,
+                                            dtype=torch.bfloat16)
         layer.reset_parameters()
         cp_layer = cp.ContextParallelSparseAttention(layer, save_gathered=args.save_gathered)
 
@@ -182,75 +220,43 @@ def run_rank(args):
             cu = scaled(cu, args.scale)
         split = cp.split_for_context_parallel(cu, world, chunk, num_q_heads=hq, num_index_heads=hkv)
         shard = split.shard(rank)
-        n = shard.num_tokens
-        gen = torch.Generator(device=device).manual_seed(1000 + rank)
-
-        def rand(*shape):
-            return (torch.randn(*shape, generator=gen, device=device) * 0.2).to(torch.bfloat16)
-
-        if layer is None:
-            leaves = [rand(n, hq, 128), rand(n, hkv, 128), rand(n, hkv, 128), rand(n, hkv, 128), rand(n, 1, 128)]
-            for t in leaves:
-                t.requires_grad_(True)
-        else:
-            leaves = [rand(n, layer.hidden_size).requires_grad_(True)]
-        dout = rand(n, hq, 128) if layer is None else rand(n, layer.hidden_size)
-
-        def step():
-            for t in leaves:
-                t.grad = None
-            if layer is not None:
-                layer.zero_grad(set_to_none=True)
-            dist.barrier()
-            sync()
-            t0 = time.perf_counter()
-            if layer is None:
-                out = cp.context_parallel_sparse_attention(*leaves, shard, deterministic=args.deterministic,
-                                                           save_gathered=args.save_gathered)
-            else:
-                out = cp_layer(leaves[0], shard)
-            sync()
-            t1 = time.perf_counter()
-            out.backward(dout)
-            sync()
-            t2 = time.perf_counter()
-            return (t1 - t0) * 1e3, (t2 - t0) * 1e3
-
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
+        leaves, dout = random_inputs(shard.num_tokens, hq, hkv, layer, device, seed=1000 + rank)
         for _ in range(warmup):
-            step()
+            timed_step(args, shard, leaves, dout, cp_layer, device)
         fwd, total = [], []
         for _ in range(repeats):
-            f, s = step()
             # The group is as fast as its slowest rank.
-            t = torch.tensor([f, s], dtype=torch.float64, device=device)
+            t = torch.tensor(timed_step(args, shard, leaves, dout, cp_layer, device), dtype=torch.float64,
+                             device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             fwd.append(t[0].item())
             total.append(t[1].item())
-        peak = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else -1.0,
+        on_gpu = device.type == "cuda"
+        mine = torch.tensor([torch.cuda.max_memory_allocated(device) / 2**20 if on_gpu else -1.0,
                              float(shard.num_kv_tokens)], dtype=torch.float64, device=device)
-        peaks = [torch.zeros_like(peak) for _ in range(world)]
-        dist.all_gather(peaks, peak)
-        if rank == 0:
-            step_ms = statistics.median(total)
-            mem = [p[0].item() for p in peaks]
-            row = dict(case_id=case_id, num_documents=len(cu) - 1, total_tokens=cu[-1], world_size=world,
-                       device=str(torch.cuda.get_device_name(device)) if device.type == "cuda" else "cpu",
-                       smoke=bool(args.smoke), layer=bool(args.layer), chunk_size=chunk, num_q_heads=hq,
-                       num_kv_heads=hkv, step_ms=step_ms, fwd_ms=statistics.median(fwd),
-                       tokens_per_s=cu[-1] / (step_ms / 1e3),
-                       peak_mib_max=max(mem) if device.type == "cuda" else None,
-                       peak_mib_min=min(mem) if device.type == "cuda" else None,
-                       imbalance=split.imbalance(),
-                       kv_tokens_mean=sum(p[1].item() for p in peaks) / world,
-                       save_gathered=bool(args.save_gathered), repeats=repeats)
-            print(json.dumps(row), flush=True)
-            if args.json:
-                with open(args.json, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+        every = [torch.zeros_like(mine) for _ in range(world)]
+        dist.all_gather(every, mine)
         del leaves, dout
+        if rank != 0:
+            continue
+        step_ms = statistics.median(total)
+        mem = [p[0].item() for p in every]
+        row = {
+            "case_id": case_id, "num_documents": len(cu) - 1, "total_tokens": cu[-1], "world_size": world,
+            "device": torch.cuda.get_device_name(device) if on_gpu else "cpu", "smoke": bool(args.smoke),
+            "layer": bool(args.layer), "chunk_size": chunk, "num_q_heads": hq, "num_kv_heads": hkv,
+            "step_ms": step_ms, "fwd_ms": statistics.median(fwd), "tokens_per_s": cu[-1] / (step_ms / 1e3),
+            "peak_mib_max": max(mem) if on_gpu else None, "peak_mib_min": min(mem) if on_gpu else None,
+            "imbalance": split.imbalance(), "kv_tokens_mean": sum(p[1].item() for p in every) / world,
+            "save_gathered": bool(args.save_gathered), "repeats": repeats,
+        }
+        print(json.dumps(row), flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(row) + "\n")
     dist.destroy_process_group()
 
 

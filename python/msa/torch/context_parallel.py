@@ -413,7 +413,7 @@ class _ContextParallelAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse, _dtopk, dkl):
-        (init_blocks, local_blocks, softmax_scale, index_scale, train_indexer, deterministic, save_gathered) = ctx.options
+        train_indexer, save_gathered = ctx.options[4], ctx.options[6]
         saved = ctx.saved_tensors
         q, k, v, index_q, index_k, out, lse, topk, index_lse = saved[:9]
         shard, group = ctx.shard, ctx.group
@@ -486,7 +486,8 @@ def context_parallel_sparse_attention(q: Tensor, k: Tensor, v: Tensor, index_q: 
     if world != shard.world_size:
         raise _error(f"the process group has {world} ranks but the shard was planned for {shard.world_size}")
     if world > 1 and dist.get_rank(group) != shard.rank:
-        raise _error(f"this process is rank {dist.get_rank(group)} of the group but holds the shard of rank {shard.rank}")
+        raise _error(f"this process is rank {dist.get_rank(group)} of the group but holds the shard of rank "
+                     f"{shard.rank}")
     n = shard.num_tokens
     for name, t, heads in (("q", q, None), ("k", k, None), ("v", v, k.shape[1] if k.dim() == 3 else None),
                            ("index_q", index_q, None), ("index_k", index_k, 1)):
