@@ -248,18 +248,20 @@ TEST(Indexer, NanScoresAreNeverSelected) {
   const Topology topo;
   const PackedLayout L = layout_of({3072, 300});
   Inputs in = random_inputs(rng, topo, L);
-  // Blocks 16 and 18 of the first document have NaN index keys: they can only appear as a
-  // query's own (forced) block.
+  // Blocks 16 and 18 of the first document have NaN index keys; block 20 has three NaN keys,
+  // which makes its block maximum NaN as well (the max propagates NaN, as torch.amax does in the
+  // reference). Such blocks can only appear as a query's own (forced) block.
   for (int block : {16, 18})
     for (int64_t t = block * 128; t < (block + 1) * 128; ++t)
       for (int e = 0; e < 128; ++e) in.index_k.set(t * 128 + e, NAN);
+  for (int64_t t : {20 * 128 + 5, 20 * 128 + 6, 20 * 128 + 77}) in.index_k.set(t * 128 + 9, NAN);
   const IndexerOutputs out = run_indexer(topo, L, in.index_q, in.index_k);
   const auto ids = out.topk.ints();
   for (int64_t p = 0; p < 3072; ++p)
     for (int g = 0; g < 4; ++g)
       for (int s = 0; s < 16; ++s) {
         const int32_t b = ids[size_t((g * L.total_q() + p) * 16 + s)];
-        if ((b == 16 || b == 18) && b != p / 128)
+        if ((b == 16 || b == 18 || (b == 20 && p >= 20 * 128 + 77)) && b != p / 128)
           ADD_FAILURE() << "position " << p << " head " << g << " selects NaN block " << b;
       }
   check_selection(topo, L, in, out.topk);
