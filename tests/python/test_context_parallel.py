@@ -90,13 +90,14 @@ def make_layer():
     return layer, hidden, weight
 
 
-def case_ops(rank, world, cu, chunk, train):
+def case_ops(rank, world, cu, chunk, train, save_gathered=False):
     x = make_inputs(cu[-1])
     shard = cp.split_for_context_parallel(cu, world, chunk).shard(rank)
     mine = {n: shard.take(t).requires_grad_(train and n != "dout") for n, t in x.items()}
     with torch.set_grad_enabled(train):
         out, lse, topk = cp.context_parallel_sparse_attention(
-            mine["q"], mine["k"], mine["v"], mine["iq"], mine["ik"], shard, return_lse=True, return_topk=True)
+            mine["q"], mine["k"], mine["v"], mine["iq"], mine["ik"], shard, save_gathered=save_gathered,
+            return_lse=True, return_topk=True)
         result = dict(tokens=shard.tokens, out=out.detach(), lse=lse, topk=topk)
         if train:
             (out.float() * mine["dout"].float()).sum().backward()
@@ -123,7 +124,8 @@ def case_gather(rank, world):
 
 
 CASES = {
-    "ops": lambda rank, world: case_ops(rank, world, CU, CHUNK, True),
+    # 2 ranks gather K/V again in backward, 4 ranks keep them from forward (save_gathered).
+    "ops": lambda rank, world: case_ops(rank, world, CU, CHUNK, True, save_gathered=world == 4),
     "long": lambda rank, world: case_ops(rank, world, LONG_CU, LONG_CHUNK, False),
     "layer": case_layer,
     "gather": case_gather,
