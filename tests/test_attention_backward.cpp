@@ -1,6 +1,7 @@
 // sparse_attention_backward against the float64 oracle (spec §5.4, §7): dq, and dk / dv
 // summed over the 16 query heads of a group, on the library's own selection and forward.
 #include <algorithm>
+#include <numeric>
 
 #include "test_support.h"
 
@@ -85,6 +86,33 @@ TEST(AttentionBackward, EmptyRowsContributeNothing) {
   const HostTensor dout = random_tensor(rng, {L.total_q(), 16, 128});
   const BackwardOutputs grads = run_backward(c, fwd, dout);
   check_backward(c, fwd, dout, grads);
+}
+
+TEST(AttentionBackward, AnyOrderAndRowsWithoutTheLocalBlock) {
+  MSA_SEEDED_RNG(rng);
+  // Any valid prefix is accepted (ops.h build_plan): shuffled ids, the local block anywhere or
+  // absent (then every selected key is visible and no causal mask applies).
+  const Topology topo = Topology::minimax_m3(4);
+  const PackedLayout L = layout_of({90, 200, 1}, {2500, 200, 1});
+  std::bernoulli_distribution drop_local(0.3);
+  HostTensor topk(DType::i32, {1, L.total_q(), 16});
+  int32_t* ids = topk.data<int32_t>();
+  std::fill(ids, ids + topk.numel(), -1);
+  for (const DocumentSpan& d : L.documents())
+    for (int64_t i = 0; i < d.q_len; ++i) {
+      const int nvis = int((d.k_len - d.q_len + i) / 128) + 1;
+      std::vector<int32_t> row(static_cast<size_t>(nvis));
+      std::iota(row.begin(), row.end(), 0);
+      std::shuffle(row.begin(), row.end() - 1, rng);
+      row.resize(std::min<size_t>(row.size() - 1, 15));
+      if (!drop_local(rng) || row.empty()) row.push_back(nvis - 1);
+      std::shuffle(row.begin(), row.end(), rng);
+      std::copy(row.begin(), row.end(), ids + (d.q_start + i) * 16);
+    }
+  const AttentionCase c = make_case(rng, topo, L, std::move(topk));
+  const ForwardOutputs fwd = run_forward(c);
+  const HostTensor dout = random_tensor(rng, {L.total_q(), 16, 128});
+  check_backward(c, fwd, dout, run_backward(c, fwd, dout));
 }
 
 TEST(AttentionBackward, RepeatedRunsAreBitwiseIdentical) {

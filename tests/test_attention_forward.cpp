@@ -111,6 +111,28 @@ TEST(AttentionForward, HistoryInAnyOrderWithLocalLast) {
   check_forward(c, run_forward(c));
 }
 
+// Any valid prefix (ops.h build_plan): the local block anywhere in it, or absent.
+HostTensor any_order_selection(std::mt19937_64& rng, const Topology& topo, const PackedLayout& L) {
+  std::bernoulli_distribution drop_local(0.3);
+  return custom_selection(topo, L, [&](int64_t, int nvis, int) {
+    std::vector<int32_t> ids(static_cast<size_t>(nvis));
+    std::iota(ids.begin(), ids.end(), 0);
+    std::shuffle(ids.begin(), ids.end() - 1, rng);
+    ids.resize(std::min<size_t>(ids.size() - 1, 15));
+    if (!drop_local(rng) || ids.empty()) ids.push_back(nvis - 1);
+    std::shuffle(ids.begin(), ids.end(), rng);
+    return ids;
+  });
+}
+
+TEST(AttentionForward, AnyOrderAndRowsWithoutTheLocalBlock) {
+  MSA_SEEDED_RNG(rng);
+  const Topology topo;
+  const PackedLayout L = layout_of({100, 130, 1}, {2700, 130, 1});
+  const AttentionCase c = make_case(rng, topo, L, any_order_selection(rng, topo, L));
+  check_forward(c, run_forward(c));
+}
+
 TEST(AttentionForward, PartialSelectionsAndEmptyRows) {
   MSA_SEEDED_RNG(rng);
   // Spec §8.4: a row with no selected block gives out = 0 and lse = -inf. Other rows take a

@@ -137,7 +137,8 @@ TEST(Plan, TensorParallelAndForcedSelections) {
 
 TEST(Plan, UnorderedSparseAndEmptySelections) {
   MSA_SEEDED_RNG(rng);
-  // Hand-made selections: shuffled history ids, some rows empty, local block last.
+  // Hand-made selections in any order (ops.h): shuffled ids, the local block anywhere or
+  // absent, some rows empty.
   const Topology topo;
   const PackedLayout L = layout_of({130, 2100, 1});
   HostTensor topk(DType::i32, {4, L.total_q(), 16});
@@ -153,7 +154,8 @@ TEST(Plan, UnorderedSparseAndEmptySelections) {
         std::iota(history.begin(), history.end(), 0);
         std::shuffle(history.begin(), history.end(), rng);
         history.resize(std::min<size_t>(history.size(), std::min<size_t>(15, size_t(coin(rng) * 4))));
-        history.push_back(local);
+        if (coin(rng) != 0 || history.empty()) history.push_back(local);
+        std::shuffle(history.begin(), history.end(), rng);
         std::copy(history.begin(), history.end(), ids + (g * L.total_q() + d.q_start + i) * 16);
       }
   for (int q_per_cta : {1, 8, 64}) check_plan(topo, L, topk, q_per_cta);
