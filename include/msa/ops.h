@@ -27,13 +27,17 @@ struct RunOptions {
 // Valid ids are document-local block ids, form a prefix, are unique, and the query's own
 // (local) block is the last valid entry; unused slots are -1. With init_blocks = 0 and
 // local_blocks = 1: all visible blocks when there are at most 16, else the 15 best earlier
-// blocks by (block-max score desc, block id asc) and then the local block.
+// blocks by (block-max score desc, block id asc) and then the local block. With other
+// forcing settings (init range [0, min(I, nvis)), local range [max(0, nvis - L), nvis), a
+// block in both counts as local) the order is: init blocks ascending, the ranked history
+// blocks in rank order, the other local blocks ascending, the query's own block last.
+// NaN scores (a block with any NaN token score) are never ranked.
 struct SelectBlocksParams {
   TensorView index_q;       // [total_q, Hi, Di] bf16
   TensorView index_k;       // [total_k, 1, Di] bf16 (one key head shared by all index heads)
   TensorView topk;          // out: [Hi, total_q, topk] int32
-  TensorView selected_lse;  // optional out: [Hi, total_q] f32, natural-log LSE of the index
-                            // scores over the selected causal keys, divided by lse_temperature
+  TensorView selected_lse;  // optional out: [Hi, total_q] f32, natural-log LSE over the
+                            // selected causal keys of s / lse_temperature (s = index score)
   float lse_temperature = 1.0f;
 };
 void select_blocks(const Topology& topo, const PackedLayout& layout, const SelectBlocksParams& p,
@@ -62,10 +66,12 @@ struct SparsePlan {
   Buffer q_indices;        // [Hkv, total_q * topk] int32: document-local query ids of each
                            //   row, ascending within a row; unused tail -1
   Buffer split_slot;       // [Hkv, total_q * topk] int32: partial slot of each (query, block)
-                           //   edge = number of the query's valid blocks with a smaller id
+                           //   edge = number of the query's valid blocks with a smaller id;
+                           //   aligned with q_indices, unused tail -1
   Buffer split_counts;     // [total_q, Hkv] int32: valid selected blocks per (query, head)
   Buffer schedule;         // [capacity, 6] int32: (head_kv, row, q_begin, q_count, document,
-                           //   kv_block); q_begin indexes q_indices[head_kv]; largest first
+                           //   kv_block); q_begin indexes q_indices[head_kv]; work items
+                           //   ordered by q_count descending, ties in (head, row, chunk) order
   Buffer work_count_dev;   // [1] int32: entries of `schedule` in use
   // CUDA plans only. build_plan does not wait for the device, so an invalid topk is found
   // there: status is [4] int32, all 0 when topk was valid, else (1, head, row, slot) of the
