@@ -75,7 +75,9 @@ std::vector<int64_t> visible_keys(const Topology& topo, const Doc& d, int64_t p,
   return keys;
 }
 
-int threads() { return std::max(1, omp_get_max_threads()); }
+// Inside an enclosing parallel region a nested team has one thread, so size per-thread
+// buffers for one.
+int threads() { return omp_in_parallel() ? 1 : std::max(1, omp_get_max_threads()); }
 
 }  // namespace
 
