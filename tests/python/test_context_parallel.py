@@ -285,22 +285,24 @@ def test_shape_errors_name_the_argument():
 
 # ---- multi-process runs over gloo ------------------------------------------------------------------
 
-def compare_to_single(results, want, train=True):
+def compare_to_single(results, want, out_tol=1e-3, lse_tol=1e-5, grad_tol=2e-3):
+    """Per-rank results against the single-process ones at the rank's tokens. Selections are
+    compared as sets per row (consumers accept the valid entries in any order)."""
     covered = torch.cat([r["tokens"] for r in results]).sort().values
     assert torch.equal(covered, torch.arange(want["out"].shape[0]))
     for r in results:
         tok = r["tokens"]
-        assert torch.equal(r["topk"], want["topk"][:, tok]), "selection differs"
-        assert rel_err(r["out"], want["out"][tok]) < 1e-3
+        assert torch.equal(r["topk"].sort(-1).values, want["topk"][:, tok].sort(-1).values), "selection differs"
+        assert rel_err(r["out"], want["out"][tok]) < out_tol
         finite = torch.isfinite(want["lse"][tok])
         assert torch.equal(torch.isfinite(r["lse"]), finite)
-        assert rel_err(r["lse"][finite], want["lse"][tok][finite]) < 1e-5
+        assert rel_err(r["lse"][finite], want["lse"][tok][finite]) < lse_tol
         if "dq" in want:
             for n in NAMES:
                 got = r["d" + n]
                 assert got is not None and got.dtype == torch.bfloat16, n
                 # dK, dV, d index-K are sums over ranks: equal up to summation order and rounding.
-                assert rel_err(got, want["d" + n][tok]) < 2e-3, n
+                assert rel_err(got, want["d" + n][tok]) < grad_tol, n
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -312,7 +314,7 @@ def test_gloo_long_document_selection_and_forward(gloo):
     # A 2,200-token document has 18 blocks: the indexer ranks history blocks whose keys live
     # on the other rank. Forward only, to stay fast on two cores.
     want = single("long")
-    compare_to_single(gloo(2)["long"], want, train=False)
+    compare_to_single(gloo(2)["long"], want)
     assert (want["topk"][:, 2047:2200] >= 0).sum(-1).eq(16).all()  # late queries keep 16 of 17-18 blocks
 
 
@@ -369,5 +371,6 @@ def test_nccl_matches_single_gpu(tmp_path):
     mp.spawn(_nccl_entry, args=(world, str(tmp_path / "init"), str(tmp_path), cu, chunk), nprocs=world, join=True)
     results = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     x = {n: t.cuda() for n, t in make_inputs(cu[-1]).items()}
-    want = {n: t.cpu() if t is not None else None for n, t in run_single(x, cu).items()}
-    compare_to_single(results, want)
+    want = {n: t.cpu() for n, t in run_single(x, cu).items()}
+    # The GPU kernels may sum in another order for another layout: bf16 outputs can differ by an ulp.
+    compare_to_single(results, want, out_tol=5e-3, lse_tol=1e-4, grad_tol=5e-3)
