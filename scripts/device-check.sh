@@ -3,7 +3,9 @@
 #   1. configures and builds msa with the CUDA backend (Ninja, CMAKE_CUDA_ARCHITECTURES=90a);
 #   2. runs the GPU tests (GoogleTest filter Gpu*);
 #   3. runs compute-sanitizer memcheck on small GPU cases;
-#   4. runs the GPU benchmark (bench/gpu_bench.cpp) at 4k..128k tokens.
+#   4. runs the GPU benchmark (bench/gpu_bench.cpp) at 4k..128k tokens;
+#   5. with MSA_PYTHON=1: builds the Python package with its CUDA backend, runs the Python
+#      tests (GPU ones included) and bench/peers.py at MSA_PEERS_TOKENS (default 4096,16384).
 # Logs go to OUTDIR; a short summary table is printed last.
 #
 # usage: scripts/device-check.sh OUTDIR
@@ -91,6 +93,22 @@ fi
 if [ "$TOKENS" != "none" ]; then
   timeout 300 "$BENCH" --tokens "$TOKENS" --reps "$REPS" --out "$OUT/bench.csv" > "$OUT/bench.log" 2>&1
   note "benchmark: rc $?"
+fi
+# Python package on the GPU. The package is built with the system compiler: a toolchain
+# that links libstdc++ statically into shared objects gives a module that crashes in its
+# first std::ostringstream (seen with the GPU image's /opt/gcc).
+if [ "${MSA_PYTHON:-0}" = "1" ]; then
+  SITE=$BUILD/python-site
+  CXX=/usr/bin/g++ CC=/usr/bin/gcc CUDAHOSTCXX=/usr/bin/g++ timeout 300 python3 -m pip install -q --no-build-isolation \
+    --no-deps --upgrade --target "$SITE" -C cmake.define.MSA_ENABLE_CUDA=ON -C build-dir="$BUILD/python-build" \
+    "$ROOT" > "$OUT/python_build.log" 2>&1
+  note "python package build: rc $?"
+  PYTHONPATH=$SITE PYTHONUNBUFFERED=1 timeout 300 python3 -m pytest -q -rs -p no:cacheprovider "$ROOT/tests/python" \
+    > "$OUT/pytest.log" 2>&1
+  note "python tests: rc $? ($(tail -1 "$OUT/pytest.log"))"
+  PYTHONPATH=$SITE PYTHONUNBUFFERED=1 timeout 200 python3 "$ROOT/bench/peers.py" \
+    --seqlens $(echo "${MSA_PEERS_TOKENS:-4096,16384}" | tr , ' ') --repeats 5 --json "$OUT/peers.json" > "$OUT/peers.log" 2>&1
+  note "peers benchmark: rc $?"
 fi
 note "done"
 echo
