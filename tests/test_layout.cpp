@@ -98,11 +98,24 @@ TEST(Layout, FromDocumentMapWithPadding) {
   EXPECT_EQ(L.packed_row_of_padded(), rows);
 }
 
+TEST(Layout, DocumentMapIdsArePerRow) {
+  // Every row a single document with id 1 (the usual "one sequence per row" map): two
+  // documents, not a split one.
+  const HostTensor map = int_tensor({1, 1, 1, 0,  //
+                                     1, 1, 0, 0},
+                                    {2, 4});
+  const PackedLayout L = PackedLayout::from_document_map(map.view());
+  ASSERT_EQ(L.num_documents(), 2);
+  expect_span(L.document(0), 0, 3, 0, 3);
+  expect_span(L.document(1), 3, 2, 3, 2);
+}
+
 TEST(Layout, DocumentMapRejectsSplitDocuments) {
   const HostTensor map = int_tensor({1, 1, 2, 1, 0, 0}, {1, 6});
   expect_error([&] { PackedLayout::from_document_map(map.view()); }, {"document_map", "document 1", "contiguous"});
-  const HostTensor two_rows = int_tensor({3, 3, 0, 0, 5, 3}, {2, 3});
-  expect_error([&] { PackedLayout::from_document_map(two_rows.view()); }, {"document 3", "contiguous"});
+  const HostTensor after_padding = int_tensor({3, 3, 0, 0, 5, 5, 0, 5}, {2, 4});
+  expect_error([&] { PackedLayout::from_document_map(after_padding.view()); },
+               {"document 5 of row 1", "contiguous", "[1, 3]"});
   const HostTensor negative = int_tensor({1, -2}, {1, 2});
   expect_error([&] { PackedLayout::from_document_map(negative.view()); }, {"document_map[0, 1]", "-2"});
   const HostTensor padding = int_tensor({0, 0, 0}, {1, 3});

@@ -30,8 +30,9 @@ class PackedLayout {
   static PackedLayout from_tensors(const TensorView& cu_seqlens_q, const TensorView& cu_seqlens_k,
                                    const TensorView& fragment_indices = {});
   // document_map: [batch, seq] int32 CPU tensor; 0 marks padding, any other value is a
-  // document id; each document must be one contiguous run. Documents are packed in the
-  // order they appear (row-major); queries and keys are the same tokens.
+  // document id. Ids are per row (each row is one sequence; equal ids in two rows are two
+  // documents) and a document must be one contiguous run of its row. Documents are packed
+  // in the order they appear (row-major); queries and keys are the same tokens.
   static PackedLayout from_document_map(const TensorView& document_map);
 
   int num_documents() const { return int(docs_.size()); }

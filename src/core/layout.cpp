@@ -105,9 +105,11 @@ PackedLayout PackedLayout::from_document_map(const TensorView& map) {
   const int64_t B = map.shape[0], S = map.shape[1];
   std::vector<int32_t> cu{0};
   std::vector<int64_t> packed_row(size_t(B * S), -1);
-  std::unordered_set<int32_t> finished;  // document ids whose run has ended
   int64_t next = 0;
   for (int64_t b = 0; b < B; ++b) {
+    // Ids are per row: a row is one sequence, so the same id in another row is another
+    // document. Inside a row a document must be one run.
+    std::unordered_set<int32_t> finished;  // ids of this row whose run has ended
     int32_t current = 0;
     for (int64_t s = 0; s < S; ++s) {
       const int32_t id = map.as<const int32_t>()[b * map.stride[0] + s * map.stride[1]];
@@ -118,7 +120,8 @@ PackedLayout PackedLayout::from_document_map(const TensorView& map) {
           cu.push_back(int32_t(next));
         }
         require(id == 0 || !finished.count(id),
-                concat("document_map: document ", id, " is not one contiguous run (it starts again at [", b, ", ", s, "])"));
+                concat("document_map: document ", id, " of row ", b, " is not one contiguous run (it starts again at [", b,
+                       ", ", s, "])"));
         current = id;
       }
       if (id != 0) {
