@@ -9,6 +9,7 @@
 
 #include "case_io.h"
 #include "msa/msa.h"
+#include "step_buffers.h"
 #include "table.h"
 #include "workload.h"
 
@@ -50,72 +51,37 @@ BenchRow bench_one(const Topology& topo, Device dev, int64_t tokens, Selection s
     fill_normal_bf16(reinterpret_cast<uint16_t*>(t.bytes.data()), t.numel(), 0.2f, seed, stream);
     return arena.upload(t.view());
   };
-  Buffer q = random_input({T, Hq, D}, 1), k = random_input({T, Hkv, D}, 2), v = random_input({T, Hkv, D}, 3),
-         dout = random_input({T, Hq, D}, 4);
-  Buffer qi, ki;
+  StepBuffers buf;
+  buf.q = random_input({T, Hq, D}, 1);
+  buf.k = random_input({T, Hkv, D}, 2);
+  buf.v = random_input({T, Hkv, D}, 3);
+  buf.dout = random_input({T, Hq, D}, 4);
   if (selection == Selection::independent) {
-    qi = random_input({T, Hi, Di}, 5);
-    ki = random_input({T, 1, Di}, 6);
+    buf.index_q = random_input({T, Hi, Di}, 5);
+    buf.index_k = random_input({T, 1, Di}, 6);
   } else {
-    StTensor a = make_tensor("", DType::bf16, {T, Hi, Di}), b = make_tensor("", DType::bf16, {T, 1, Di});
-    fill_drifting_bf16(reinterpret_cast<uint16_t*>(a.bytes.data()), layout, false, Hi, Di, 0.2f, kCoherentTokens, seed, 5);
-    fill_drifting_bf16(reinterpret_cast<uint16_t*>(b.bytes.data()), layout, true, 1, Di, 0.2f, kCoherentTokens, seed, 6);
-    qi = arena.upload(a.view());
-    ki = arena.upload(b.view());
+    StTensor iq = make_tensor("", DType::bf16, {T, Hi, Di}), ik = make_tensor("", DType::bf16, {T, 1, Di});
+    fill_drifting_bf16(reinterpret_cast<uint16_t*>(iq.bytes.data()), layout, false, Hi, Di, 0.2f, kCoherentTokens, seed, 5);
+    fill_drifting_bf16(reinterpret_cast<uint16_t*>(ik.bytes.data()), layout, true, 1, Di, 0.2f, kCoherentTokens, seed, 6);
+    buf.index_q = arena.upload(iq.view());
+    buf.index_k = arena.upload(ik.view());
   }
-  Buffer topk = arena.allocate(DType::i32, {Hi, T, K}), index_lse = arena.allocate(DType::f32, {Hi, T});
-  Buffer out = arena.allocate(DType::bf16, {T, Hq, D}), lse = arena.allocate(DType::f32, {T, Hq});
-  Buffer dq = arena.allocate(DType::bf16, {T, Hq, D}), dk = arena.allocate(DType::bf16, {T, Hkv, D}),
-         dv = arena.allocate(DType::bf16, {T, Hkv, D});
-  Buffer dqi = arena.allocate(DType::bf16, {T, Hi, Di}), dki = arena.allocate(DType::bf16, {T, 1, Di});
+  buf.topk = arena.allocate(DType::i32, {Hi, T, K});
+  buf.index_lse = arena.allocate(DType::f32, {Hi, T});
+  buf.out = arena.allocate(DType::bf16, {T, Hq, D});
+  buf.lse = arena.allocate(DType::f32, {T, Hq});
+  buf.dq = arena.allocate(DType::bf16, {T, Hq, D});
+  buf.dk = arena.allocate(DType::bf16, {T, Hkv, D});
+  buf.dv = arena.allocate(DType::bf16, {T, Hkv, D});
+  buf.dindex_q = arena.allocate(DType::bf16, {T, Hi, Di});
+  buf.dindex_k = arena.allocate(DType::bf16, {T, 1, Di});
 
   SparsePlan plan;
-  auto indexer = [&] {
-    SelectBlocksParams p;
-    p.index_q = qi.view();
-    p.index_k = ki.view();
-    p.topk = topk.view();
-    p.selected_lse = index_lse.view();
-    select_blocks(topo, layout, p, run);
-  };
-  auto make_plan = [&] { plan = build_plan(topo, layout, topk.view(), PlanOptions{}, run); };
-  auto forward = [&] {
-    AttentionForwardParams p;
-    p.q = q.view();
-    p.k = k.view();
-    p.v = v.view();
-    p.topk = topk.view();
-    p.out = out.view();
-    p.lse = lse.view();
-    sparse_attention_forward(topo, layout, plan, p, run);
-  };
-  auto backward = [&] {
-    AttentionBackwardParams p;
-    p.q = q.view();
-    p.k = k.view();
-    p.v = v.view();
-    p.topk = topk.view();
-    p.out = out.view();
-    p.lse = lse.view();
-    p.dout = dout.view();
-    p.dq = dq.view();
-    p.dk = dk.view();
-    p.dv = dv.view();
-    sparse_attention_backward(topo, layout, plan, p, run);
-  };
-  auto kl = [&] {
-    KlBackwardParams p;
-    p.q = q.view();
-    p.k = k.view();
-    p.lse = lse.view();
-    p.index_q = qi.view();
-    p.index_k = ki.view();
-    p.index_lse = index_lse.view();
-    p.topk = topk.view();
-    p.dindex_q = dqi.view();
-    p.dindex_k = dki.view();
-    kl_backward(topo, layout, plan, p, run);
-  };
+  auto indexer = [&] { select_blocks(topo, layout, buf.select_blocks_params(), run); };
+  auto make_plan = [&] { plan = build_plan(topo, layout, buf.topk.view(), PlanOptions{}, run); };
+  auto forward = [&] { sparse_attention_forward(topo, layout, plan, buf.forward_params(), run); };
+  auto backward = [&] { sparse_attention_backward(topo, layout, plan, buf.backward_params(), run); };
+  auto kl = [&] { kl_backward(topo, layout, plan, buf.kl_params(), run); };
 
   const std::string label = std::to_string(T) + " tokens, " + to_string(selection) + " selection";
   progress(label + ": warm-up");
@@ -136,7 +102,7 @@ BenchRow bench_one(const Topology& topo, Device dev, int64_t tokens, Selection s
     t_kl.push_back(time_once(dev, kl));
   }
 
-  const std::vector<int32_t> ids = to_host_ints(topk.view());
+  const std::vector<int32_t> ids = to_host_ints(buf.topk.view());
   BenchRow row;
   row.tokens = T;
   row.selection = selection;

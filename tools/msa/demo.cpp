@@ -25,6 +25,7 @@
 #include "metrics.h"
 #include "msa/msa.h"
 #include "oracle/oracle.h"
+#include "step_buffers.h"
 #include "table.h"
 #include "workload.h"
 
@@ -223,13 +224,22 @@ int run_demo(const DemoOptions& o) {
     fill_normal_bf16(reinterpret_cast<uint16_t*>(t->bytes.data()), t->numel(), 0.2f, o.seed, ++stream);
 
   DeviceArena arena(dev);
-  Buffer q_d = arena.upload(q.view()), k_d = arena.upload(k.view()), v_d = arena.upload(v.view()),
-         qi_d = arena.upload(qi.view()), ki_d = arena.upload(ki.view()), dout_d = arena.upload(dout.view());
-  Buffer topk_d = arena.allocate(DType::i32, {Hi, T, K}), index_lse_d = arena.allocate(DType::f32, {Hi, T});
-  Buffer out_d = arena.allocate(DType::bf16, {T, Hq, D}), lse_d = arena.allocate(DType::f32, {T, Hq});
-  Buffer dq_d = arena.allocate(DType::bf16, {T, Hq, D}), dk_d = arena.allocate(DType::bf16, {T, Hkv, D}),
-         dv_d = arena.allocate(DType::bf16, {T, Hkv, D});
-  Buffer dqi_d = arena.allocate(DType::bf16, {T, Hi, Di}), dki_d = arena.allocate(DType::bf16, {T, 1, Di});
+  StepBuffers buf;
+  buf.q = arena.upload(q.view());
+  buf.k = arena.upload(k.view());
+  buf.v = arena.upload(v.view());
+  buf.index_q = arena.upload(qi.view());
+  buf.index_k = arena.upload(ki.view());
+  buf.dout = arena.upload(dout.view());
+  buf.topk = arena.allocate(DType::i32, {Hi, T, K});
+  buf.index_lse = arena.allocate(DType::f32, {Hi, T});
+  buf.out = arena.allocate(DType::bf16, {T, Hq, D});
+  buf.lse = arena.allocate(DType::f32, {T, Hq});
+  buf.dq = arena.allocate(DType::bf16, {T, Hq, D});
+  buf.dk = arena.allocate(DType::bf16, {T, Hkv, D});
+  buf.dv = arena.allocate(DType::bf16, {T, Hkv, D});
+  buf.dindex_q = arena.allocate(DType::bf16, {T, Hi, Di});
+  buf.dindex_k = arena.allocate(DType::bf16, {T, 1, Di});
   RunOptions run;
   run.num_threads = o.threads;
 
@@ -243,71 +253,30 @@ int run_demo(const DemoOptions& o) {
 
   progress("1/5 select_blocks: indexer + top-" + std::to_string(K) + " over " + std::to_string(T) + " tokens x " +
            std::to_string(Hi) + " index heads");
-  steps[0].seconds = time_once(dev, [&] {
-    SelectBlocksParams p;
-    p.index_q = qi_d.view();
-    p.index_k = ki_d.view();
-    p.topk = topk_d.view();
-    p.selected_lse = index_lse_d.view();
-    select_blocks(topo, layout, p, run);
-  });
+  steps[0].seconds = time_once(dev, [&] { select_blocks(topo, layout, buf.select_blocks_params(), run); });
 
   SparsePlan plan;
   progress("2/5 build_plan: k2q CSR and schedule");
-  steps[1].seconds = time_once(dev, [&] { plan = build_plan(topo, layout, topk_d.view(), PlanOptions{}, run); });
+  steps[1].seconds = time_once(dev, [&] { plan = build_plan(topo, layout, buf.topk.view(), PlanOptions{}, run); });
   for (const Buffer* b : {&plan.rows, &plan.row_ptr, &plan.q_indices, &plan.split_slot, &plan.split_counts, &plan.schedule})
     arena.count_external(b->bytes());
 
   progress("3/5 forward: sparse attention, " + std::to_string(Hq) + " heads");
-  steps[2].seconds = time_once(dev, [&] {
-    AttentionForwardParams p;
-    p.q = q_d.view();
-    p.k = k_d.view();
-    p.v = v_d.view();
-    p.topk = topk_d.view();
-    p.out = out_d.view();
-    p.lse = lse_d.view();
-    sparse_attention_forward(topo, layout, plan, p, run);
-  });
+  steps[2].seconds = time_once(dev, [&] { sparse_attention_forward(topo, layout, plan, buf.forward_params(), run); });
 
   progress("4/5 backward: dq, dk, dv");
-  steps[3].seconds = time_once(dev, [&] {
-    AttentionBackwardParams p;
-    p.q = q_d.view();
-    p.k = k_d.view();
-    p.v = v_d.view();
-    p.topk = topk_d.view();
-    p.out = out_d.view();
-    p.lse = lse_d.view();
-    p.dout = dout_d.view();
-    p.dq = dq_d.view();
-    p.dk = dk_d.view();
-    p.dv = dv_d.view();
-    sparse_attention_backward(topo, layout, plan, p, run);
-  });
+  steps[3].seconds = time_once(dev, [&] { sparse_attention_backward(topo, layout, plan, buf.backward_params(), run); });
 
   progress("5/5 kl_backward: indexer gradients");
-  steps[4].seconds = time_once(dev, [&] {
-    KlBackwardParams p;
-    p.q = q_d.view();
-    p.k = k_d.view();
-    p.lse = lse_d.view();
-    p.index_q = qi_d.view();
-    p.index_k = ki_d.view();
-    p.index_lse = index_lse_d.view();
-    p.topk = topk_d.view();
-    p.dindex_q = dqi_d.view();
-    p.dindex_k = dki_d.view();
-    kl_backward(topo, layout, plan, p, run);
-  });
+  steps[4].seconds = time_once(dev, [&] { kl_backward(topo, layout, plan, buf.kl_params(), run); });
 
   // ---- results back on the host ----
-  const std::vector<int32_t> topk = to_host_ints(topk_d.view());
-  const std::vector<float> index_lse = to_host_floats(index_lse_d.view());
-  const std::vector<float> lse = to_host_floats(lse_d.view());
-  const StTensor out = arena.download("out", out_d.view()), dq = arena.download("dq", dq_d.view());
-  const std::vector<float> dk = to_host_floats(dk_d.view()), dv = to_host_floats(dv_d.view());
-  const std::vector<float> dqi = to_host_floats(dqi_d.view()), dki = to_host_floats(dki_d.view());
+  const std::vector<int32_t> topk = to_host_ints(buf.topk.view());
+  const std::vector<float> index_lse = to_host_floats(buf.index_lse.view());
+  const std::vector<float> lse = to_host_floats(buf.lse.view());
+  const StTensor out = arena.download("out", buf.out.view()), dq = arena.download("dq", buf.dq.view());
+  const std::vector<float> dk = to_host_floats(buf.dk.view()), dv = to_host_floats(buf.dv.view());
+  const std::vector<float> dqi = to_host_floats(buf.dindex_q.view()), dki = to_host_floats(buf.dindex_k.view());
 
   steps[0].flops = indexer_flops(topo, layout);
   steps[2].flops = forward_flops(topo, layout, topk.data());

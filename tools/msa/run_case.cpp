@@ -7,6 +7,7 @@
 
 #include "case_io.h"
 #include "msa/msa.h"
+#include "step_buffers.h"
 
 namespace msa::tool {
 
@@ -189,10 +190,14 @@ int run_case(const std::string& in_path, const std::string& out_path, const RunC
   RunOptions run;
   run.deterministic = options.deterministic;
   run.num_threads = options.threads;
-  Buffer q_d = arena.upload(q.view()), k_d = arena.upload(k.view()), v_d = arena.upload(v.view());
-  Buffer qi_d = arena.upload(index_q.view()), ki_d = arena.upload(index_k.view());
+  StepBuffers buf;
+  buf.q = arena.upload(q.view());
+  buf.k = arena.upload(k.view());
+  buf.v = arena.upload(v.view());
+  buf.index_q = arena.upload(index_q.view());
+  buf.index_k = arena.upload(index_k.view());
 
-  Buffer topk_d, index_lse_d, kl_lse_d;
+  Buffer kl_lse_d;  // [Hi, total_q] f32: the selected LSE at temperature 1, as kl_backward reads it
   std::vector<float> host_lse;  // indexer_lse when topk was given
   if (given_topk) {
     in_file([&] {
@@ -205,21 +210,17 @@ int run_case(const std::string& in_path, const std::string& out_path, const RunC
         invalid("index_k must have shape [total_k=" + std::to_string(total_k) + ", 1, 128], got " + describe(index_k));
       host_lse = host_selected_lse(topo, layout, index_q, index_k, *given_topk, temperature);
     });
-    topk_d = arena.upload(given_topk->view());
+    buf.topk = arena.upload(given_topk->view());
     if (grad_out) {
       const std::vector<float> kl_lse =
           temperature == 1.0 ? host_lse : host_selected_lse(topo, layout, index_q, index_k, *given_topk, 1.0);
       kl_lse_d = arena.upload(TensorView::contiguous(const_cast<float*>(kl_lse.data()), DType::f32, {Hi, total_q}));
     }
   } else {
-    topk_d = arena.allocate(DType::i32, {Hi, total_q, topo.topk});
-    index_lse_d = arena.allocate(DType::f32, {Hi, total_q});
+    buf.topk = arena.allocate(DType::i32, {Hi, total_q, topo.topk});
+    buf.index_lse = arena.allocate(DType::f32, {Hi, total_q});
     in_file([&] {
-      SelectBlocksParams p;
-      p.index_q = qi_d.view();
-      p.index_k = ki_d.view();
-      p.topk = topk_d.view();
-      p.selected_lse = index_lse_d.view();
+      SelectBlocksParams p = buf.select_blocks_params();
       p.lse_temperature = float(temperature);
       select_blocks(topo, layout, p, run);
       if (grad_out && temperature != 1.0) {
@@ -230,61 +231,30 @@ int run_case(const std::string& in_path, const std::string& out_path, const RunC
         p.lse_temperature = 1.0f;
         select_blocks(topo, layout, p, run);
       } else {
-        kl_lse_d = index_lse_d;
+        kl_lse_d = buf.index_lse;
       }
     });
   }
 
   SparsePlan plan;
-  in_file([&] { plan = build_plan(topo, layout, topk_d.view(), plan_options, run); });
+  in_file([&] { plan = build_plan(topo, layout, buf.topk.view(), plan_options, run); });
 
-  Buffer out_d = arena.allocate(DType::bf16, {total_q, Hq, D});
-  Buffer lse_d = arena.allocate(DType::f32, {total_q, Hq});
-  in_file([&] {
-    AttentionForwardParams p;
-    p.q = q_d.view();
-    p.k = k_d.view();
-    p.v = v_d.view();
-    p.topk = topk_d.view();
-    p.out = out_d.view();
-    p.lse = lse_d.view();
-    sparse_attention_forward(topo, layout, plan, p, run);
-  });
+  buf.out = arena.allocate(DType::bf16, {total_q, Hq, D});
+  buf.lse = arena.allocate(DType::f32, {total_q, Hq});
+  in_file([&] { sparse_attention_forward(topo, layout, plan, buf.forward_params(), run); });
 
   std::vector<StTensor> outputs;
-  Buffer dq_d, dk_d, dv_d, dqi_d, dki_d;
   if (grad_out) {
-    Buffer dout_d = arena.upload(grad_out->view());
-    dq_d = arena.allocate(DType::f32, {total_q, Hq, D});
-    dk_d = arena.allocate(DType::f32, {total_k, Hkv, D});
-    dv_d = arena.allocate(DType::f32, {total_k, Hkv, D});
-    dqi_d = arena.allocate(DType::f32, {total_q, Hi, topo.index_head_dim});
-    dki_d = arena.allocate(DType::f32, {total_k, 1, topo.index_head_dim});
+    buf.dout = arena.upload(grad_out->view());
+    buf.dq = arena.allocate(DType::f32, {total_q, Hq, D});
+    buf.dk = arena.allocate(DType::f32, {total_k, Hkv, D});
+    buf.dv = arena.allocate(DType::f32, {total_k, Hkv, D});
+    buf.dindex_q = arena.allocate(DType::f32, {total_q, Hi, topo.index_head_dim});
+    buf.dindex_k = arena.allocate(DType::f32, {total_k, 1, topo.index_head_dim});
+    in_file([&] { sparse_attention_backward(topo, layout, plan, buf.backward_params(), run); });
     in_file([&] {
-      AttentionBackwardParams p;
-      p.q = q_d.view();
-      p.k = k_d.view();
-      p.v = v_d.view();
-      p.topk = topk_d.view();
-      p.out = out_d.view();
-      p.lse = lse_d.view();
-      p.dout = dout_d.view();
-      p.dq = dq_d.view();
-      p.dk = dk_d.view();
-      p.dv = dv_d.view();
-      sparse_attention_backward(topo, layout, plan, p, run);
-    });
-    in_file([&] {
-      KlBackwardParams p;
-      p.q = q_d.view();
-      p.k = k_d.view();
-      p.lse = lse_d.view();
-      p.index_q = qi_d.view();
-      p.index_k = ki_d.view();
+      KlBackwardParams p = buf.kl_params();
       p.index_lse = kl_lse_d.view();
-      p.topk = topk_d.view();
-      p.dindex_q = dqi_d.view();
-      p.dindex_k = dki_d.view();
       p.grad_scale = float(kl_grad_scale);
       kl_backward(topo, layout, plan, p, run);
     });
@@ -292,17 +262,17 @@ int run_case(const std::string& in_path, const std::string& out_path, const RunC
   synchronize(dev);
 
   // ---- outputs ----
-  outputs.push_back(arena.download("topk", topk_d.view()));
-  outputs.push_back(arena.download("out", out_d.view()));
-  outputs.push_back(arena.download("lse", lse_d.view()));
+  outputs.push_back(arena.download("topk", buf.topk.view()));
+  outputs.push_back(arena.download("out", buf.out.view()));
+  outputs.push_back(arena.download("lse", buf.lse.view()));
   if (given_topk) outputs.push_back(float_tensor("indexer_lse", host_lse, {Hi, total_q}));
-  else outputs.push_back(arena.download("indexer_lse", index_lse_d.view()));
+  else outputs.push_back(arena.download("indexer_lse", buf.index_lse.view()));
   if (grad_out) {
-    outputs.push_back(arena.download("dq", dq_d.view()));
-    outputs.push_back(arena.download("dk", dk_d.view()));
-    outputs.push_back(arena.download("dv", dv_d.view()));
-    outputs.push_back(arena.download("dindex_q", dqi_d.view()));
-    outputs.push_back(arena.download("dindex_k", dki_d.view()));
+    outputs.push_back(arena.download("dq", buf.dq.view()));
+    outputs.push_back(arena.download("dk", buf.dk.view()));
+    outputs.push_back(arena.download("dv", buf.dv.view()));
+    outputs.push_back(arena.download("dindex_q", buf.dindex_q.view()));
+    outputs.push_back(arena.download("dindex_k", buf.dindex_k.view()));
   }
   std::map<std::string, std::string> out_meta = {
       {"msa_version", kVersion},
