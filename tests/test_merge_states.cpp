@@ -31,22 +31,34 @@ Partials random_partials(std::mt19937_64& rng, int64_t S, int64_t R, int64_t H, 
   return p;
 }
 
-void check_merge(std::mt19937_64& rng, int64_t S, int64_t R, int64_t H, int64_t D, DType dtype, double empty_rate) {
-  SCOPED_TRACE("S " + std::to_string(S) + " rows " + std::to_string(R) + " dtype " + std::string(dtype_name(dtype)));
-  const Partials in = random_partials(rng, S, R, H, D, dtype, empty_rate);
-  HostTensor out(dtype, {R, H, D}), lse(DType::f32, {R, H});
-  poison(out);
-  poison(lse);
+struct Merged {
+  HostTensor out;  // [rows, H, D], the partials' dtype
+  HostTensor lse;  // [rows, H] f32
+};
+
+// merge_states of `in` into poisoned outputs.
+Merged merge(const Partials& in) {
+  const std::vector<int64_t>& shape = in.out.shape();  // [S, rows, H, D]
+  Merged m{HostTensor(in.out.dtype(), {shape[1], shape[2], shape[3]}), HostTensor(DType::f32, {shape[1], shape[2]})};
+  poison(m.out);
+  poison(m.lse);
   MergeStatesParams p;
   p.out_partials = in.out.view();
   p.lse_partials = in.lse.view();
-  p.out = out.view();
-  p.lse = lse.view();
+  p.out = m.out.view();
+  p.lse = m.lse.view();
   merge_states(p);
+  return m;
+}
+
+void check_merge(std::mt19937_64& rng, int64_t S, int64_t R, int64_t H, int64_t D, DType dtype, double empty_rate) {
+  SCOPED_TRACE("S " + std::to_string(S) + " rows " + std::to_string(R) + " dtype " + std::string(dtype_name(dtype)));
+  const Partials in = random_partials(rng, S, R, H, D, dtype, empty_rate);
+  const Merged got = merge(in);
 
   const auto parts = in.out.floats(), plse = in.lse.floats();
   const auto want = oracle::merge_states(parts.data(), plse.data(), S, R, H, D);
-  const auto got_out = out.floats(), got_lse = lse.floats();
+  const auto got_out = got.out.floats(), got_lse = got.lse.floats();
   EXPECT_EQ(count_nan(got_out), 0) << "out holds NaN";
   EXPECT_EQ(count_nan(got_lse), 0) << "lse holds NaN";
   const double tol = dtype == DType::f32 ? 1e-5 : 1e-2;
@@ -76,18 +88,10 @@ TEST(MergeStates, AllPartialsEmpty) {
 TEST(MergeStates, SinglePartialIsIdentity) {
   MSA_SEEDED_RNG(rng);
   const Partials in = random_partials(rng, 1, 20, 4, 128, DType::f32, 0.0);
-  HostTensor out(DType::f32, {20, 4, 128}), lse(DType::f32, {20, 4});
-  poison(out);
-  poison(lse);
-  MergeStatesParams p;
-  p.out_partials = in.out.view();
-  p.lse_partials = in.lse.view();
-  p.out = out.view();
-  p.lse = lse.view();
-  merge_states(p);
-  const auto a = in.out.floats(), b = out.floats();
+  const Merged got = merge(in);
+  const auto a = in.out.floats(), b = got.out.floats();
   for (size_t e = 4 * 128; e < a.size(); ++e) ASSERT_NEAR(b[e], a[e], 1e-6 * (1 + std::fabs(a[e]))) << e;
-  const auto la = in.lse.floats(), lb = lse.floats();
+  const auto la = in.lse.floats(), lb = got.lse.floats();
   for (size_t e = 4; e < la.size(); ++e) ASSERT_NEAR(lb[e], la[e], 1e-6 * (1 + std::fabs(la[e]))) << e;
 }
 
