@@ -34,6 +34,14 @@ Device parse_device(const std::string& s) {
   throw Error(ErrorKind::invalid_argument, "device must be 'cpu', 'cuda' or 'cuda:N', got '" + s + "'");
 }
 
+InferencePlanOptions plan_options(const std::string& device, int num_kv_splits, int num_threads) {
+  InferencePlanOptions options;
+  options.device = parse_device(device);
+  options.num_kv_splits = num_kv_splits;
+  options.num_threads = num_threads;
+  return options;
+}
+
 NormRopeConfig norm_rope_config(int rotary_dim, float eps, float rope_theta) {
   NormRopeConfig c;
   c.rotary_dim = rotary_dim;
@@ -193,10 +201,7 @@ void bind_inference(nb::module_& m) {
         meta.cu_seqlens_q = to_view(cu_seqlens_q, "cu_seqlens_q");
         meta.seq_lens = to_view(seq_lens, "seq_lens");
         meta.page_table = to_view(page_table, "page_table");
-        InferencePlanOptions options;
-        options.device = parse_device(device);
-        options.num_kv_splits = num_kv_splits;
-        options.num_threads = num_threads;
+        const InferencePlanOptions options = plan_options(device, num_kv_splits, num_threads);
         nb::gil_scoped_release unlocked;
         return plan_paged_prefill(topo, meta, options);
       },
@@ -212,10 +217,7 @@ void bind_inference(nb::module_& m) {
         meta.seq_lens = to_view(seq_lens, "seq_lens");
         meta.page_table = to_view(page_table, "page_table");
         meta.q_len_per_req = q_len_per_req;
-        InferencePlanOptions options;
-        options.device = parse_device(device);
-        options.num_kv_splits = num_kv_splits;
-        options.num_threads = num_threads;
+        const InferencePlanOptions options = plan_options(device, num_kv_splits, num_threads);
         nb::gil_scoped_release unlocked;
         return plan_decode(topo, meta, options);
       },
