@@ -48,4 +48,26 @@ void check_device(const TensorView& t, const char* name, Device device);
 void check_tensor(const TensorView& t, const char* name, std::initializer_list<DType> allowed,
                   const std::vector<Dim>& dims, Device device);
 
+// One row of a top-k selection: ids are -1 or in [0, local], valid ids form a prefix and are
+// unique. `unit` is "block" or "page"; `why_not_visible()` (called only on failure) explains
+// which ids the row may hold.
+template <typename WhyNotVisible>
+void check_selection_row(const char* name, int head, int64_t row, const int32_t* ids, int k, int64_t local,
+                         const char* unit, WhyNotVisible why_not_visible) {
+  bool ended = false;
+  for (int s = 0; s < k; ++s) {
+    if (ids[s] < 0) {
+      require(ids[s] == -1, concat(name, "[", head, ", ", row, ", ", s, "] must be a ", unit, " id or -1, got ", ids[s]));
+      ended = true;
+      continue;
+    }
+    require(!ended, concat(name, "[", head, ", ", row, ", :]: valid ", unit, " ids must form a prefix followed by -1, got id ",
+                           ids[s], " in slot ", s, " after a -1"));
+    if (ids[s] > local) fail(concat(name, "[", head, ", ", row, ", ", s, "] = ", ids[s], why_not_visible()));
+    for (int t = 0; t < s; ++t)
+      require(ids[t] != ids[s],
+              concat(name, "[", head, ", ", row, ", :] holds ", unit, " ", ids[s], " twice (slots ", t, " and ", s, ")"));
+  }
+}
+
 }  // namespace msa::detail

@@ -196,26 +196,12 @@ void check_topk_contents(const InferencePlan& plan, const TensorView& topk) {
   const int64_t T = plan.total_q;
   for (int g = 0; g < plan.topo.num_kv_heads; ++g)
     for (int64_t r = 0; r < T; ++r) {
-      const int32_t* row = ids + (int64_t(g) * T + r) * kTopk;
       const int64_t local = pos[r] < 0 ? -1 : pos[r] / kPageSize;
-      bool ended = false;
-      for (int s = 0; s < kTopk; ++s) {
-        if (row[s] < 0) {
-          require(row[s] == -1, concat("topk[", g, ", ", r, ", ", s, "] must be a page id or -1, got ", row[s]));
-          ended = true;
-          continue;
-        }
-        require(!ended, concat("topk[", g, ", ", r, ", :]: valid page ids must form a prefix followed by -1, got id ",
-                               row[s], " in slot ", s, " after a -1"));
-        require(row[s] <= local,
-                local < 0 ? concat("topk[", g, ", ", r, ", ", s, "] = ", row[s],
-                                   " but row ", r, " is a padding row (negative causal position): it needs all -1")
-                          : concat("topk[", g, ", ", r, ", ", s, "] = ", row[s], " is not a visible page: row ", r,
-                                   " (position ", pos[r], ") sees logical pages 0..", local));
-        for (int u = 0; u < s; ++u)
-          require(row[u] != row[s], concat("topk[", g, ", ", r, ", :] holds page ", row[s], " twice (slots ", u, " and ",
-                                           s, ")"));
-      }
+      detail::check_selection_row("topk", g, r, ids + (int64_t(g) * T + r) * kTopk, kTopk, local, "page", [&] {
+        return local < 0 ? concat(" but row ", r, " is a padding row (negative causal position): it needs all -1")
+                         : concat(" is not a visible page: row ", r, " (position ", pos[r], ") sees logical pages 0..",
+                                  local);
+      });
     }
 }
 

@@ -34,28 +34,16 @@ void check_topk(const Topology& topo, const PackedLayout& L, const TensorView& t
   check_tensor(topk, name, {DType::i32}, {Dim(H, "Hi"), Dim(L.total_q(), "total_q"), Dim(K, "16")}, dev);
   if (on_cuda(topk)) return;  // contents are checked by the device plan builder
   const auto* ids = topk.as<const int32_t>();
-  std::vector<uint64_t> seen;
   for (int b = 0; b < L.num_documents(); ++b) {
     const DocumentSpan& d = L.document(b);
     for (int64_t i = 0; i < d.q_len; ++i) {
       const int64_t row = d.q_start + i;
       const int64_t local = (d.k_len - d.q_len + i) / topo.block_size;
       for (int h = 0; h < H; ++h) {
-        const int32_t* r = ids + (int64_t(h) * L.total_q() + row) * K;
-        bool ended = false;
-        for (int s = 0; s < K; ++s) {
-          if (r[s] < 0) {
-            require(r[s] == -1, concat(name, "[", h, ", ", row, ", ", s, "] must be a block id or -1, got ", r[s]));
-            ended = true;
-            continue;
-          }
-          require(!ended, concat(name, "[", h, ", ", row, ", :]: valid block ids must form a prefix followed by -1, got id ",
-                                 r[s], " in slot ", s, " after a -1"));
-          require(r[s] <= local, concat(name, "[", h, ", ", row, ", ", s, "] = ", r[s], " is not a visible block: query ", i,
-                                        " of document ", b, " sees blocks 0..", local, " (history ids must precede the local block)"));
-          for (int t = 0; t < s; ++t)
-            require(r[t] != r[s], concat(name, "[", h, ", ", row, ", :] holds block ", r[s], " twice (slots ", t, " and ", s, ")"));
-        }
+        detail::check_selection_row(name, h, row, ids + (int64_t(h) * L.total_q() + row) * K, K, local, "block", [&] {
+          return concat(" is not a visible block: query ", i, " of document ", b, " sees blocks 0..", local,
+                        " (history ids must precede the local block)");
+        });
       }
     }
   }
