@@ -15,12 +15,16 @@ void merge_states(const MergeStatesParams& p, const RunOptions& opt) {
   float* lse_out = p.lse.as<float>();
 #pragma omp parallel num_threads(thread_count(opt))
   {
-    std::vector<float> acc(static_cast<size_t>(D)), row(static_cast<size_t>(D));
+    // Per-thread rows kept across calls, so steady-state runs (decode's split-K merge) do
+    // not allocate.
+    thread_local std::vector<float> acc, row;
+    if (acc.size() < size_t(D)) acc.resize(size_t(D));
+    if (row.size() < size_t(D)) row.resize(size_t(D));
 #pragma omp for schedule(static)
     for (int64_t rh = 0; rh < R * H; ++rh) {
       float m = -std::numeric_limits<float>::infinity();
       for (int64_t s = 0; s < S; ++s) m = std::max(m, lse_in[s * R * H + rh]);
-      std::fill(acc.begin(), acc.end(), 0.0f);
+      std::fill_n(acc.begin(), D, 0.0f);
       float z = 0;
       if (std::isfinite(m)) {
         for (int64_t s = 0; s < S; ++s) {
@@ -33,10 +37,10 @@ void merge_states(const MergeStatesParams& p, const RunOptions& opt) {
         }
       }
       if (z > 0 && std::isfinite(z)) {
-        for (auto& a : acc) a /= z;
+        for (int64_t d = 0; d < D; ++d) acc[size_t(d)] /= z;
         lse_out[rh] = m + std::log(z);
       } else {
-        std::fill(acc.begin(), acc.end(), 0.0f);
+        std::fill_n(acc.begin(), D, 0.0f);
         lse_out[rh] = -std::numeric_limits<float>::infinity();
       }
       store_row(p.out, rh * D, int(D), acc.data());
