@@ -21,6 +21,8 @@ std::string concat(const Parts&... parts) {
 [[noreturn]] inline void fail(const std::string& message) { throw Error(ErrorKind::invalid_argument, message); }
 [[noreturn]] inline void unsupported(const std::string& message) { throw Error(ErrorKind::unsupported, message); }
 
+// For checks outside hot loops: the message is built even when `ok` holds. Inside loops
+// over elements write `if (!ok) fail(concat(...))` so messages cost nothing on success.
 inline void require(bool ok, const std::string& message) {
   if (!ok) fail(message);
 }
@@ -57,16 +59,17 @@ void check_selection_row(const char* name, int head, int64_t row, const int32_t*
   bool ended = false;
   for (int s = 0; s < k; ++s) {
     if (ids[s] < 0) {
-      require(ids[s] == -1, concat(name, "[", head, ", ", row, ", ", s, "] must be a ", unit, " id or -1, got ", ids[s]));
+      if (ids[s] != -1) fail(concat(name, "[", head, ", ", row, ", ", s, "] must be a ", unit, " id or -1, got ", ids[s]));
       ended = true;
       continue;
     }
-    require(!ended, concat(name, "[", head, ", ", row, ", :]: valid ", unit, " ids must form a prefix followed by -1, got id ",
-                           ids[s], " in slot ", s, " after a -1"));
+    if (ended)
+      fail(concat(name, "[", head, ", ", row, ", :]: valid ", unit, " ids must form a prefix followed by -1, got id ", ids[s],
+                  " in slot ", s, " after a -1"));
     if (ids[s] > local) fail(concat(name, "[", head, ", ", row, ", ", s, "] = ", ids[s], why_not_visible()));
     for (int t = 0; t < s; ++t)
-      require(ids[t] != ids[s],
-              concat(name, "[", head, ", ", row, ", :] holds ", unit, " ", ids[s], " twice (slots ", t, " and ", s, ")"));
+      if (ids[t] == ids[s])
+        fail(concat(name, "[", head, ", ", row, ", :] holds ", unit, " ", ids[s], " twice (slots ", t, " and ", s, ")"));
   }
 }
 

@@ -255,11 +255,12 @@ void insert_kv(const KvInsertParams& p, const RunOptions& opt) {
     for (int64_t i = 0; i < T.value; ++i) {
       const int32_t s = slots[i];
       if (s == -1) continue;
-      require(s >= 0 && s < pages * kPageSize,
-              concat("slot_mapping[", i, "] = ", s, " must be -1 or a slot in [0, physical_pages * 128 = ",
+      if (!(s >= 0 && s < pages * kPageSize))
+        fail(concat("slot_mapping[", i, "] = ", s, " must be -1 or a slot in [0, physical_pages * 128 = ",
                      pages * kPageSize, ")"));
-      require(!used[size_t(s)], concat("slot_mapping[", i, "] = ", s, " repeats a slot written by an earlier token; "
-                                       "each slot may be written once per call"));
+      if (used[size_t(s)])
+        fail(concat("slot_mapping[", i, "] = ", s, " repeats a slot written by an earlier token; "
+                    "each slot may be written once per call"));
       used[size_t(s)] = true;
     }
   }
@@ -284,8 +285,8 @@ void nvfp4_to_fp8(const Nvfp4ToFp8Params& p, const RunOptions& opt) {
     if (!on_cuda(p.page_ids)) {
       const auto* ids = p.page_ids.as<const int32_t>();
       for (int64_t i = 0; i < n; ++i)
-        require(ids[i] >= -1 && ids[i] < pages,
-                concat("page_ids[", i, "] = ", ids[i], " must be -1 or a page in [0, ", pages, ")"));
+        if (!(ids[i] >= -1 && ids[i] < pages))
+          fail(concat("page_ids[", i, "] = ", ids[i], " must be -1 or a page in [0, ", pages, ")"));
     }
   }
   check_cache_view(p.out, "out", DType::f8e4m3, {n, Hkv, kPageSize, kHeadDim},

@@ -15,6 +15,7 @@ namespace msa {
 
 using detail::concat;
 using detail::Dim;
+using detail::fail;
 using detail::require;
 
 namespace {
@@ -69,8 +70,8 @@ void check_page_table(const StepRequests& s) {
     const int64_t used = (int64_t(s.seq_lens[size_t(b)]) + kPageSize - 1) / kPageSize;
     for (int64_t j = 0; j < used; ++j) {
       const int32_t page = s.page_table[size_t(b * s.max_pages + j)];
-      require(page >= 0 && page <= kMaxPhysicalPage,
-              concat("page_table[", b, ", ", j, "] = ", page, " maps a page inside seq_lens[", b, "] = ",
+      if (!(page >= 0 && page <= kMaxPhysicalPage))
+        fail(concat("page_table[", b, ", ", j, "] = ", page, " maps a page inside seq_lens[", b, "] = ",
                      s.seq_lens[size_t(b)], "; expected a physical page id in [0, ", kMaxPhysicalPage,
                      "] (slot ids page * 128 + offset must fit in int32)"));
     }

@@ -113,19 +113,19 @@ PackedLayout PackedLayout::from_document_map(const TensorView& map) {
     int32_t current = 0;
     for (int64_t s = 0; s < S; ++s) {
       const int32_t id = map.as<const int32_t>()[b * map.stride[0] + s * map.stride[1]];
-      require(id >= 0, concat("document_map[", b, ", ", s, "] must be >= 0 (0 = padding), got ", id));
+      if (id < 0) fail(concat("document_map[", b, ", ", s, "] must be >= 0 (0 = padding), got ", id));
       if (id != current) {
         if (current != 0) {
           finished.insert(current);
           cu.push_back(int32_t(next));
         }
-        require(id == 0 || !finished.count(id),
-                concat("document_map: document ", id, " of row ", b, " is not one contiguous run (it starts again at [", b,
-                       ", ", s, "])"));
+        if (id != 0 && finished.count(id))
+          fail(concat("document_map: document ", id, " of row ", b, " is not one contiguous run (it starts again at [", b,
+                      ", ", s, "])"));
         current = id;
       }
       if (id != 0) {
-        require(next < std::numeric_limits<int32_t>::max(), "document_map holds more than 2^31 - 1 tokens");
+        if (next >= std::numeric_limits<int32_t>::max()) fail("document_map holds more than 2^31 - 1 tokens");
         packed_row[size_t(b * S + s)] = next++;
       }
     }
