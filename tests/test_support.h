@@ -378,7 +378,7 @@ struct BackwardOutputs {
 };
 
 inline BackwardOutputs run_backward(const AttentionCase& c, const ForwardOutputs& fwd, const HostTensor& dout,
-                                    DType grad_dtype = DType::bf16) {
+                                    DType grad_dtype = DType::bf16, const RunOptions& opt = {}) {
   const int64_t Tq = c.layout.total_q(), Tk = c.layout.total_k();
   BackwardOutputs g{HostTensor(grad_dtype, {Tq, c.topo.num_q_heads, c.topo.head_dim}),
                     HostTensor(grad_dtype, {Tk, c.topo.num_kv_heads, c.topo.head_dim}),
@@ -397,7 +397,7 @@ inline BackwardOutputs run_backward(const AttentionCase& c, const ForwardOutputs
   p.dq = g.dq.view();
   p.dk = g.dk.view();
   p.dv = g.dv.view();
-  sparse_attention_backward(c.topo, c.layout, c.plan, p);
+  sparse_attention_backward(c.topo, c.layout, c.plan, p, opt);
   return g;
 }
 
