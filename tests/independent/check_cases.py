@@ -9,7 +9,11 @@ Generates the cases of make_cases.py, runs `msa run-case` on each and compares:
   * with msa's own selection (spec §7): out (atol = rtol = 3e-2, and relative L2 <= 1e-2),
     LSE (1e-3), indexer LSE (2e-3), dq / dk / dv and dindex_q / dindex_k (cosine > 0.99);
     out and every gradient also row by row (relative L2 of each row <= 2e-2), which catches
-    a few wrong rows that whole-tensor measures average away.
+    a few wrong rows that whole-tensor measures average away;
+  * inference cases (`mode` decode / paged_prefill over bf16, fp8 and nvfp4 paged caches,
+    oracle in inference_np.py): the same selection rules on the unscaled page scores (near-tie
+    slack 5e-3 x max(1, largest |score| of the row)), then out and LSE over msa's selection;
+    rows without keys (seq_len 0) must give all -1, out 0 and LSE -inf.
 Prints one row per case and exits 1 if any case fails; exits 77 (skipped) without NumPy.
 
     python3 check_cases.py --msa build/tools/msa/msa [--work DIR] [--backend cpu|cuda|auto]
@@ -30,6 +34,7 @@ except ImportError:
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import make_cases  # noqa: E402
+import inference_np as inference  # noqa: E402
 import oracle_np as oracle  # noqa: E402
 import safetensors_np as st  # noqa: E402
 
@@ -153,6 +158,8 @@ def run_case(case, msa, backend, threads):
 
     inputs, meta = st.read(case.path)
     outputs, _ = st.read(out_path)
+    if meta.get("mode") in ("decode", "paged_prefill"):
+        return check_inference_case(row, inputs, meta, outputs)
     settings = settings_from(meta)
     q, k, v = as_f64(inputs["q"]), as_f64(inputs["k"]), as_f64(inputs["v"])
     index_q, index_k = as_f64(inputs["index_q"]), as_f64(inputs["index_k"])
@@ -234,6 +241,117 @@ def run_case(case, msa, backend, threads):
     else:
         row["grad cos (min)"] = "-"
     row["worst row"] = f"{max(row_errors):.1e}"
+    row["result"] = "FAIL" if problems else "ok"
+    row["details"] = "; ".join(problems)
+    return row
+
+
+def dequantised_caches(inputs, kv_format):
+    """(K, V) float64 [physical pages, Hkv, 128, 128] from the file's cache tensors."""
+    caches = []
+    for name in ("k", "v"):
+        cache = inputs[f"{name}_cache"]
+        scale = inputs[f"{name}_scale"].array.astype(np.float64) if f"{name}_scale" in inputs else None
+        if kv_format == "bf16":
+            caches.append(as_f64(cache))
+        elif kv_format == "fp8":
+            x = inference.e4m3_decode(cache.array)
+            if scale is not None and scale.ndim == 2:  # [Hkv, max_kv_tokens], slot = page * 128 + offset
+                pages, hkv = x.shape[0], x.shape[1]
+                scale = scale[:, : pages * inference.PAGE].reshape(hkv, pages, inference.PAGE).transpose(1, 0, 2)[..., None]
+            caches.append(x * (1.0 if scale is None else scale.reshape(-1)[0] if scale.ndim < 2 else scale))
+        else:
+            g = 1.0 if scale is None else float(scale.reshape(-1)[0])
+            caches.append(inference.nvfp4_decode(cache.array, inputs[f"{name}_cache_sf"].array, g))
+    return caches
+
+
+def index_values(t):
+    return inference.e4m3_decode(t.array) if t.dtype == "F8_E4M3" else as_f64(t)
+
+
+def check_inference_case(row, inputs, meta, outputs):
+    """Paged prefill / decode: selection against the oracle's (near-ties allowed), then out and
+    LSE against the float64 oracle over msa's own selection; rows without keys must give
+    all -1, 0 and -inf."""
+    mode, kv_format = meta["mode"], meta.get("kv_format", "bf16")
+    q, index_q = as_f64(inputs["q"]), index_values(inputs["index_q"])
+    index_k = index_values(inputs["index_k_cache"])  # [phys, 128, D]
+    table, seq_lens = inputs["page_table"].array.astype(np.int64), inputs["seq_lens"].array
+    total_q, hq = q.shape[0], q.shape[1]
+    hi = index_q.shape[1]
+    k, v = dequantised_caches(inputs, kv_format)
+    hkv = k.shape[1]
+    cu = inputs["cu_seqlens_q"].array if "cu_seqlens_q" in inputs else None
+    rows = inference.rows_of(mode, seq_lens, total_q, cu, int(meta.get("q_len_per_req", 0)))
+    row["shape"] = f"{total_q} rows, {hq}/{hkv} heads, {kv_format}"
+
+    problems = []
+    expected = {"topk": ("I32", (hi, total_q, 16)), "out": ("BF16", (total_q, hq, 128)), "lse": ("F32", (total_q, hq))}
+    for name, (dtype, shape) in expected.items():
+        t = outputs.get(name)
+        if t is None or t.dtype != dtype or t.array.shape != tuple(shape):
+            got = "missing" if t is None else f"{t.dtype} {list(t.array.shape)}"
+            problems.append(f"output {name} must be {dtype} {list(shape)}, got {got}")
+    if problems:
+        return {**row, "result": "FAIL", "details": "; ".join(problems)}
+
+    # Selection: contract, then sets with the near-tie rule on the fp32-accumulated page scores.
+    topk = outputs["topk"].array.astype(np.int64)
+    near = 0
+    for r, (b, p) in enumerate(rows):
+        local = p // inference.PAGE if p >= 0 else -1
+        scores = inference.page_scores(index_q[r], index_k, table[b], max(local, 0))  # [Hi, local]
+        for g in range(hi):
+            ids = topk[g, r]
+            valid = [int(x) for x in ids if x >= 0]
+            where = f"topk[{g}, {r}] (request {b}, position {p})"
+            want, ranked = inference.select(scores[g], p)
+            problem = None
+            if list(ids[len(valid):]) != [-1] * (16 - len(valid)):
+                problem = f"{where}: valid ids must be a prefix followed by -1, got {list(ids)}"
+            elif p < 0 and valid:
+                problem = f"{where}: a row without keys must select nothing, got {valid}"
+            elif p >= 0 and (len(valid) != min(16, local + 1) or valid[-1] != local or len(set(valid)) != len(valid)
+                             or any(x > local for x in valid)):
+                problem = f"{where}: expected {min(16, local + 1)} distinct visible ids ending with {local}, got {valid}"
+            elif set(valid) != want:
+                # A different set is accepted only at near-ties: every chosen history page must
+                # score within NEAR_TIE (relative to the score size) of the oracle's 15th best.
+                threshold = min((scores[g, x] for x in ranked), default=np.inf)
+                slack = NEAR_TIE * max(1.0, float(np.max(np.abs(scores[g]))))
+                if any(not scores[g, x] >= threshold - slack for x in set(valid) - {local}):
+                    problem = f"{where}: msa selected {sorted(valid)}, the oracle {sorted(want)}"
+                near += 1
+            if problem:
+                return {**row, "selection": "WRONG", "result": "FAIL", "details": problem}
+    row["selection"] = f"{total_q * hi} rows" + (f", {near} near-ties" if near else "")
+
+    # Attention over msa's selection; query head h reads KV head h // (Hq / Hkv).
+    scale = float(meta["softmax_scale"]) if float(meta.get("softmax_scale", 0) or 0) > 0 else 1.0 / np.sqrt(128)
+    group = hq // hkv
+    ref_out, ref_lse = np.zeros((total_q, hq, 128)), np.full((total_q, hq), -np.inf)
+    for r, (b, p) in enumerate(rows):
+        for g in range(hkv):
+            heads = slice(g * group, (g + 1) * group)
+            pages = [int(x) for x in topk[g * hi // hkv, r] if x >= 0]
+            ref_out[r, heads], ref_lse[r, heads] = inference.attention_row(
+                q[r, heads], k[:, g], v[:, g], table[b], p, pages, scale)
+    out, lse = as_f64(outputs["out"]), outputs["lse"].array.astype(np.float64)
+    empty = np.array([p < 0 for _, p in rows])
+    if empty.any() and (np.any(out[empty] != 0) or np.any(lse[empty] != -np.inf)):
+        problems.append("rows without keys must give out 0 and lse -inf")
+    row["out rel L2"] = f"{rel_l2(out, ref_out):.1e}"
+    finite = np.isfinite(ref_lse)
+    row["lse err"] = f"{np.max(np.abs(lse[finite] - ref_lse[finite]), initial=0):.1e}"
+    bad_out, bad_lse = allclose_violations(out, ref_out, OUT_TOL), allclose_violations(lse, ref_lse, LSE_TOL)
+    worst = worst_row_error(out, ref_out)
+    row["worst row"] = f"{worst:.1e}"
+    if bad_out or not rel_l2(out, ref_out) <= MAX_OUT_REL_L2 or not worst <= MAX_ROW_ERROR:
+        problems.append(f"out: {bad_out} values outside {OUT_TOL}, rel L2 {rel_l2(out, ref_out):.2e}, "
+                        f"worst row error {worst:.2e}")
+    if bad_lse:
+        problems.append(f"lse: {bad_lse} values outside {LSE_TOL}")
     row["result"] = "FAIL" if problems else "ok"
     row["details"] = "; ".join(problems)
     return row

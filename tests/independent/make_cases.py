@@ -5,6 +5,10 @@ Cases: a mixed pack of document lengths around block edges, smaller packs at 64/
 heads, all-zero index vectors (ties), chunked prefill (q_len < k_len), context-parallel
 fragments sharing one KV range, non-default forcing and scales, a caller-supplied selection,
 and an invalid selection that must be rejected. Inputs are random bf16, normal x 0.2.
+Inference cases (decode Q = 1 / 4 / 8 and paged prefill with prefixes 0, 1, 127, 128, 129 and
+beyond 16 pages) cover bf16, fp8 (per-tensor and per-(head, token) scales, fp8 index-K) and
+nvfp4 (with and without global scales) caches with shuffled physical pages and NaN in every
+slot no request owns.
 
     python3 make_cases.py --out DIR [--seed S]
 """
@@ -15,6 +19,7 @@ import os
 
 import numpy as np
 
+import inference_np as inf
 import safetensors_np as st
 
 D = 128
@@ -63,6 +68,82 @@ def _write_case(out_dir, name, rng, cu_q, cu_k, hq, hkv, fragments=None, grad=Tr
         tensors["topk"] = _i32(topk)
     path = os.path.join(out_dir, f"{name}.safetensors")
     st.write(path, tensors, metadata or {})
+    return path
+
+
+def _write_inference_case(out_dir, name, rng, mode, seq_lens, hq, hkv, kv_format, q_lens=None, q_len_per_req=None,
+                          scales=None, global_scale=None, fp8_index_k=False, fp8_index_q=False, unused_pages=3,
+                          metadata=None):
+    """A paged-cache case (docs/inference.md, `msa run-case` inference modes). The physical pages
+    of all requests are shuffled together with `unused_pages` extra ones; every cache slot that
+    no request owns (unused pages, the tail of a request's last page) holds NaN, and page table
+    entries past a request's pages point at NaN pages or are -1, so any read of them shows.
+    scales: None, "tensor" (FP8 per-tensor, or the NVFP4 global scale) or "token" (FP8 per
+    (head, token slot))."""
+    batch = len(seq_lens)
+    if mode == "decode":
+        q_lens = [q_len_per_req] * batch
+    total_q = sum(q_lens)
+    pages = [(n + inf.PAGE - 1) // inf.PAGE for n in seq_lens]
+    phys_count = sum(pages) + unused_pages
+    order = rng.permutation(phys_count)
+    nan_pages = [int(p) for p in order[sum(pages):]]
+    max_pages = max(pages) + 2
+    table = np.full((batch, max_pages), -1, dtype=np.int32)
+    used = 0
+    for b, n in enumerate(pages):
+        table[b, :n] = order[used:used + n]
+        used += n
+        if b % 2 == 0 and nan_pages:  # entries past the request's pages: a NaN page, or -1
+            table[b, n:] = nan_pages[b % len(nan_pages)]
+    valid = np.zeros((phys_count, inf.PAGE), dtype=bool)  # slots holding a request's token
+    for b, n in enumerate(seq_lens):
+        phys, off = inf.token_slots(table[b], n)
+        valid[phys, off] = True
+
+    def values(shape, std):
+        return rng.standard_normal(shape) * std
+
+    # q larger than in the training cases so that the softmax is far from uniform and a wrong
+    # K (scale, page, slot) shows in out, not only in the LSE.
+    tensors = {"q": st.Tensor("BF16", st.f64_to_bf16_bits(values((total_q, hq, D), 1.0))), "page_table": _i32(table),
+               "seq_lens": _i32(seq_lens)}
+    index_q = values((total_q, hkv, D), 0.3)
+    tensors["index_q"] = (st.Tensor("F8_E4M3", inf.e4m3_encode(index_q)) if fp8_index_q
+                          else st.Tensor("BF16", st.f64_to_bf16_bits(index_q)))
+    index_k = np.where(valid[..., None], values((phys_count, inf.PAGE, D), 0.3), np.nan)
+    tensors["index_k_cache"] = (st.Tensor("F8_E4M3", inf.e4m3_encode(index_k)) if fp8_index_k
+                                else st.Tensor("BF16", st.f64_to_bf16_bits(index_k)))
+    slot_valid = valid[:, None, :, None]  # [phys, 1, 128, 1]
+    for which in ("k", "v"):
+        x = np.where(slot_valid, values((phys_count, hkv, inf.PAGE, D), 0.5), np.nan)  # [phys, Hkv, 128, D]
+        if kv_format == "bf16":
+            tensors[f"{which}_cache"] = st.Tensor("BF16", st.f64_to_bf16_bits(x))
+        elif kv_format == "fp8" and scales == "token":
+            # [Hkv, max_kv_tokens], slot = physical page * 128 + offset; NaN where no token lives
+            scale = np.where(valid[:, None, :], rng.uniform(0.5, 2.0, (phys_count, hkv, inf.PAGE)) / 448 * 2.5, np.nan)
+            tensors[f"{which}_cache"] = st.Tensor("F8_E4M3", inf.e4m3_encode(x / scale[..., None]))
+            tensors[f"{which}_scale"] = st.Tensor("F32", scale.transpose(1, 0, 2).reshape(hkv, phys_count * inf.PAGE))
+        elif kv_format == "fp8":
+            scale = 0.01 if which == "k" else 0.02
+            tensors[f"{which}_cache"] = st.Tensor("F8_E4M3", inf.e4m3_encode(x / scale))
+            if scales == "tensor":
+                tensors[f"{which}_scale"] = st.Tensor("F32", np.array([scale], dtype=np.float32))
+        else:  # nvfp4
+            g = (0.25 if which == "k" else 4.0) if global_scale else 1.0
+            packed, sf = inf.nvfp4_encode(np.nan_to_num(x / g))
+            sf[~valid[:, None, :, None].repeat(hkv, 1).repeat(8, 3)] = 0x7F  # NaN block scales off the tokens
+            tensors[f"{which}_cache"] = st.Tensor("U8", packed)
+            tensors[f"{which}_cache_sf"] = st.Tensor("F8_E4M3", sf)
+            if global_scale:
+                tensors[f"{which}_scale"] = st.Tensor("F32", np.array(g, dtype=np.float32))
+    meta = {"mode": mode, "kv_format": kv_format, **(metadata or {})}
+    if mode == "decode":
+        meta["q_len_per_req"] = str(q_len_per_req)
+    else:
+        tensors["cu_seqlens_q"] = _i32(np.concatenate([[0], np.cumsum(q_lens)]))
+    path = os.path.join(out_dir, f"{name}.safetensors")
+    st.write(path, tensors, meta)
     return path
 
 
@@ -138,6 +219,35 @@ def make_cases(out_dir, seed=1):
     bad[0, 299, :3] = [0, 0, 2]  # block 0 twice
     add("invalid_topk", "a selection with a repeated block id must be rejected", cu_q=cu_q, cu_k=cu_k, hq=16, hkv=1,
         grad=False, topk=bad, expect_error=r"topk\[0, 299, [0-9:]+\].*(twice|repeat)")
+
+    # ---- inference over paged caches (docs/inference.md); context lengths in tokens ----
+    def add_inference(name, description, **kwargs):
+        cases.append(Case(name, description, _write_inference_case(out_dir, name, rng, **kwargs)))
+
+    add_inference("decode_q1_bf16", "decode Q=1, bf16 cache: contexts 1, 100, 128, 2500 (20 pages), 0 (padding), 4100",
+                  mode="decode", q_len_per_req=1, seq_lens=[1, 100, 128, 2500, 0, 4100], hq=16, hkv=1,
+                  kv_format="bf16")
+    add_inference("decode_q8_fp8", "decode Q=8, fp8 per-tensor scales, fp8 index-K and index-Q: contexts 8, 130, "
+                  "2177, 3000, 0 (padding); num_kv_splits 4", mode="decode", q_len_per_req=8,
+                  seq_lens=[8, 130, 2177, 3000, 0], hq=16, hkv=1, kv_format="fp8", scales="tensor", fp8_index_k=True,
+                  fp8_index_q=True, metadata={"num_kv_splits": "4"})
+    add_inference("decode_q8_fp8_token_64x4", "decode Q=8, fp8 per-(head, token) scales, 64/4 heads: contexts 9, 2100, 300",
+                  mode="decode", q_len_per_req=8, seq_lens=[9, 2100, 300], hq=64, hkv=4, kv_format="fp8",
+                  scales="token")
+    add_inference("decode_q4_nvfp4_global", "decode Q=4, nvfp4 cache with global scales 0.25 / 4: contexts 4, 127, "
+                  "2049, 3333", mode="decode", q_len_per_req=4, seq_lens=[4, 127, 2049, 3333], hq=16, hkv=1,
+                  kv_format="nvfp4", global_scale=True)
+    prefill = dict(mode="paged_prefill", seq_lens=[40, 51, 130, 258, 149, 2500, 4100],
+                   q_lens=[40, 50, 3, 130, 20, 200, 30])
+    prefixes = "prefixes 0, 1, 127, 128, 129, 2300, 4070"
+    add_inference("paged_prefill_bf16", f"paged prefill, bf16 cache: {prefixes}", hq=16, hkv=1, kv_format="bf16",
+                  **prefill)
+    add_inference("paged_prefill_fp8", f"paged prefill, fp8 per-tensor scales, fp8 index-K: {prefixes}", hq=16, hkv=1,
+                  kv_format="fp8", scales="tensor", fp8_index_k=True, **prefill)
+    add_inference("paged_prefill_fp8_token", f"paged prefill, fp8 per-(head, token) scales: {prefixes}", hq=16, hkv=1,
+                  kv_format="fp8", scales="token", **prefill)
+    add_inference("paged_prefill_nvfp4", f"paged prefill, nvfp4 cache (no global scale): {prefixes}", hq=16, hkv=1,
+                  kv_format="nvfp4", **prefill)
 
     with open(os.path.join(out_dir, "cases.json"), "w") as f:
         json.dump([vars(c) for c in cases], f, indent=2)
