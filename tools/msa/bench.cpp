@@ -42,7 +42,7 @@ BenchRow bench_one(const Topology& topo, Device dev, int64_t tokens, Selection s
   const PackedLayout layout = layout_of_documents({tokens});
   const int64_t T = tokens;
   const int Hq = topo.num_q_heads, Hkv = topo.num_kv_heads, Hi = topo.num_index_heads, D = topo.head_dim,
-            Di = topo.index_head_dim, K = topo.topk;
+            Di = topo.index_head_dim;
   DeviceArena arena(dev);
 
   // Inputs: main tensors i.i.d.; index vectors by the chosen distribution.
@@ -66,15 +66,7 @@ BenchRow bench_one(const Topology& topo, Device dev, int64_t tokens, Selection s
     buf.index_q = arena.upload(iq.view());
     buf.index_k = arena.upload(ik.view());
   }
-  buf.topk = arena.allocate(DType::i32, {Hi, T, K});
-  buf.index_lse = arena.allocate(DType::f32, {Hi, T});
-  buf.out = arena.allocate(DType::bf16, {T, Hq, D});
-  buf.lse = arena.allocate(DType::f32, {T, Hq});
-  buf.dq = arena.allocate(DType::bf16, {T, Hq, D});
-  buf.dk = arena.allocate(DType::bf16, {T, Hkv, D});
-  buf.dv = arena.allocate(DType::bf16, {T, Hkv, D});
-  buf.dindex_q = arena.allocate(DType::bf16, {T, Hi, Di});
-  buf.dindex_k = arena.allocate(DType::bf16, {T, 1, Di});
+  buf.allocate_outputs(arena, topo, T, T);
 
   SparsePlan plan;
   auto indexer = [&] { select_blocks(topo, layout, buf.select_blocks_params(), run); };

@@ -231,15 +231,7 @@ int run_demo(const DemoOptions& o) {
   buf.index_q = arena.upload(qi.view());
   buf.index_k = arena.upload(ki.view());
   buf.dout = arena.upload(dout.view());
-  buf.topk = arena.allocate(DType::i32, {Hi, T, K});
-  buf.index_lse = arena.allocate(DType::f32, {Hi, T});
-  buf.out = arena.allocate(DType::bf16, {T, Hq, D});
-  buf.lse = arena.allocate(DType::f32, {T, Hq});
-  buf.dq = arena.allocate(DType::bf16, {T, Hq, D});
-  buf.dk = arena.allocate(DType::bf16, {T, Hkv, D});
-  buf.dv = arena.allocate(DType::bf16, {T, Hkv, D});
-  buf.dindex_q = arena.allocate(DType::bf16, {T, Hi, Di});
-  buf.dindex_k = arena.allocate(DType::bf16, {T, 1, Di});
+  buf.allocate_outputs(arena, topo, T, T);
   RunOptions run;
   run.num_threads = o.threads;
 

@@ -2,6 +2,20 @@
 
 namespace msa::tool {
 
+void StepBuffers::allocate_outputs(DeviceArena& arena, const Topology& topo, int64_t total_q, int64_t total_k) {
+  const int64_t Hq = topo.num_q_heads, Hkv = topo.num_kv_heads, Hi = topo.num_index_heads, D = topo.head_dim,
+                Di = topo.index_head_dim, K = topo.topk;
+  topk = arena.allocate(DType::i32, {Hi, total_q, K});
+  index_lse = arena.allocate(DType::f32, {Hi, total_q});
+  out = arena.allocate(DType::bf16, {total_q, Hq, D});
+  lse = arena.allocate(DType::f32, {total_q, Hq});
+  dq = arena.allocate(DType::bf16, {total_q, Hq, D});
+  dk = arena.allocate(DType::bf16, {total_k, Hkv, D});
+  dv = arena.allocate(DType::bf16, {total_k, Hkv, D});
+  dindex_q = arena.allocate(DType::bf16, {total_q, Hi, Di});
+  dindex_k = arena.allocate(DType::bf16, {total_k, 1, Di});
+}
+
 SelectBlocksParams StepBuffers::select_blocks_params() const {
   SelectBlocksParams p;
   p.index_q = index_q.view();

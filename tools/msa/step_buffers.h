@@ -3,6 +3,7 @@
 // `msa run-case` so that the three run the same step.
 #pragma once
 
+#include "case_io.h"
 #include "msa/ops.h"
 #include "msa/tensor.h"
 
@@ -17,6 +18,10 @@ struct StepBuffers {
   Buffer dout;                // [total_q, Hq, 128]
   Buffer dq, dk, dv;          // backward outputs, shaped as q, k, v
   Buffer dindex_q, dindex_k;  // KL outputs, shaped as index_q, index_k
+
+  // Allocates every output of the step on the arena's device: topk, index_lse, out, lse and
+  // bf16 gradients (dq, dk, dv, dindex_q, dindex_k).
+  void allocate_outputs(DeviceArena& arena, const Topology& topo, int64_t total_q, int64_t total_k);
 
   // Views of the buffers above; other fields keep their defaults.
   SelectBlocksParams select_blocks_params() const;
