@@ -32,7 +32,6 @@ void paged_indexer(const InferencePlan&, const PagedIndexerParams&, const RunOpt
 void paged_attention(const InferencePlan&, const PagedAttentionParams&, const RunOptions&);
 // Per-thread scratch sizes (elements) the CPU runs need for a plan.
 int64_t inference_scratch_f32(const InferencePlan&);
-int64_t inference_scratch_i32(const InferencePlan&);
 }  // namespace cpu
 
 // The CUDA backend defines MSA_CUDA_INFERENCE=1 (src/cuda/CMakeLists.txt) once it implements

@@ -195,7 +195,6 @@ struct InferencePlan {
   Buffer partial_out;    // decode: [num_kv_splits, total_q, Hq, 128] f32 split-K partial outputs
   Buffer partial_lse;    // decode: [num_kv_splits, total_q, Hq] f32 split-K partial LSEs
   Buffer scratch_f32;    // CPU: [num_threads, n] f32 per-thread work space
-  Buffer scratch_i32;    // CPU: [num_threads, n] int32 per-thread work space
 };
 
 InferencePlan plan_paged_prefill(const Topology& topo, const PagedPrefillMetadata& meta,

@@ -127,7 +127,6 @@ InferencePlan finish(const Topology& topo, InferencePhase phase, const StepReque
   if (!dev.is_cuda()) {
     plan.num_threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
     plan.scratch_f32 = Buffer(dev, DType::f32, {plan.num_threads, cpu::inference_scratch_f32(plan)});
-    plan.scratch_i32 = Buffer(dev, DType::i32, {plan.num_threads, cpu::inference_scratch_i32(plan)});
   }
   return plan;
 }

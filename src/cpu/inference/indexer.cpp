@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "cpu/inference/common.h"
+#include "cpu/selection.h"
 #include "cpu/simd.h"
 
 namespace msa::cpu {
@@ -31,7 +32,6 @@ int64_t inference_scratch_f32(const InferencePlan& plan) {
   return std::max(indexer, attention);
 }
 
-int64_t inference_scratch_i32(const InferencePlan& plan) { return pages_in_use(plan); }
 
 void paged_indexer(const InferencePlan& plan, const PagedIndexerParams& p, const RunOptions& opt) {
   const int Hi = plan.topo.num_index_heads;
@@ -40,7 +40,7 @@ void paged_indexer(const InferencePlan& plan, const PagedIndexerParams& p, const
   const auto* request = static_cast<const int32_t*>(plan.query_request.data());
   const auto* positions = static_cast<const int32_t*>(plan.positions.data());
   const auto* page_table = static_cast<const int32_t*>(plan.page_table.data());
-  const int64_t f32_stride = plan.scratch_f32.view().shape[1], i32_stride = plan.scratch_i32.view().shape[1];
+  const int64_t f32_stride = plan.scratch_f32.view().shape[1];
   int32_t* topk = p.topk.as<int32_t>();
   const int threads = std::min(thread_count(opt), plan.num_threads);
 
@@ -52,7 +52,7 @@ void paged_indexer(const InferencePlan& plan, const PagedIndexerParams& p, const
     float* key_rows = keys + kPageSize * kHeadDim;                                // [128 tokens, 128 dims]
     float* token_scores = key_rows + kPageSize * kHeadDim;                        // [R, Hi, 128]
     float* scores = token_scores + kRowTile * Hi * kPageSize;                     // [R, Hi, npages]
-    int32_t* order = static_cast<int32_t*>(plan.scratch_i32.data()) + tid * i32_stride;  // [npages]
+    Ranked ranked[kTopk];
 
 #pragma omp for schedule(dynamic)
     for (int64_t r0 = 0; r0 < T; ++r0) {
@@ -91,28 +91,9 @@ void paged_indexer(const InferencePlan& plan, const PagedIndexerParams& p, const
       for (int64_t r = r0; r < r1; ++r) {
         const int64_t local = positions[r] < 0 ? -1 : positions[r] / kPageSize;
         for (int g = 0; g < Hi; ++g) {
-          int32_t* out = topk + (int64_t(g) * T + r) * kTopk;
-          int n = 0;
-          if (local >= 0 && local + 1 <= kTopk) {
-            for (int64_t j = 0; j <= local; ++j) out[n++] = int32_t(j);
-          } else if (local >= 0) {
-            // Forced init pages [0, init_end), forced local pages [local_begin, nvis) with the
-            // row's own page last; the remaining slots go to the best pages in between.
-            const int64_t nvis = local + 1;
-            const int64_t local_begin = std::max<int64_t>(0, nvis - plan.topo.local_blocks);
-            const int64_t init_end = std::min<int64_t>(plan.topo.init_blocks, local_begin);
-            const float* s = scores + ((r - r0) * Hi + g) * npages;
-            int count = 0;
-            for (int64_t j = init_end; j < local_begin; ++j)
-              if (!std::isnan(s[j])) order[count++] = int32_t(j);
-            const int keep = std::min<int>(count, kTopk - int(init_end) - int(nvis - local_begin));
-            std::partial_sort(order, order + keep, order + count,
-                              [s](int32_t a, int32_t b) { return s[a] > s[b] || (s[a] == s[b] && a < b); });
-            for (int64_t j = 0; j < init_end; ++j) out[n++] = int32_t(j);
-            for (int i = 0; i < keep; ++i) out[n++] = order[i];
-            for (int64_t j = local_begin; j < nvis; ++j) out[n++] = int32_t(j);
-          }
-          for (; n < kTopk; ++n) out[n] = -1;
+          // Rows with a negative position (padding) see no page: all -1.
+          select_row(scores + ((r - r0) * Hi + g) * npages, local + 1, plan.topo, topk + (int64_t(g) * T + r) * kTopk,
+                     ranked);
         }
       }
     }
