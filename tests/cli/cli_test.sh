@@ -89,8 +89,8 @@ usage_errors)
 
 demo_small)
   expect 0 '^PASS' "$msa" demo --tokens 2048 --backend cpu
-  grep -q 'select_blocks' stdout.txt && grep -q 'kl_backward' stdout.txt || fail "the table lacks steps"
-  grep -q '1/5 select_blocks' stderr.txt || fail "no progress lines on stderr"
+  grep -q 'select_blocks' stdout.txt && grep -q 'kl_backward' stdout.txt && grep -q '^decode' stdout.txt || fail "the table lacks steps"
+  grep -q '1/6 select_blocks' stderr.txt || fail "no progress lines on stderr"
   ;;
 
 demo_ranked)
