@@ -8,6 +8,7 @@
 #include <sstream>
 #include <vector>
 
+#include "case_io.h"
 #include "metrics.h"
 #include "msa/inference.h"
 #include "oracle/inference_oracle.h"
@@ -22,12 +23,6 @@ constexpr int kQueriesPerRequest = 8;
 constexpr int kPage = 128;
 // Mixed contexts: shorter than a page, exactly 16 / 17 pages, and long enough to rank.
 const std::vector<int32_t> kSeqLens = {4100, 2500, 1300, 130, 3333, 2049, 5000, 2048};
-
-std::vector<float> floats_of(const StTensor& t) {
-  std::vector<float> f(size_t(t.numel()));
-  for (int64_t i = 0; i < t.numel(); ++i) f[size_t(i)] = load_as_float(t.bytes.data(), t.dtype, i);
-  return f;
-}
 
 }  // namespace
 
@@ -91,7 +86,7 @@ DecodeStepResult run_decode_step(const Topology& topo, uint64_t seed, int thread
 
   // ---- float64 oracle: selection as sets (near-ties allowed), then attention over msa's selection ----
   const oracle::PagedRequests req = oracle::decode_requests(kSeqLens, page_table, max_pages, Q);
-  const std::vector<float> qf = floats_of(q), qif = floats_of(qi);
+  const std::vector<float> qf = to_host_floats(q.view()), qif = to_host_floats(qi.view());
   const auto* ids = reinterpret_cast<const int32_t*>(topk.bytes.data());
   int64_t selection_bad = 0, near_ties = 0, valid_pages = 0;
   for (int g = 0; g < Hi; ++g)
