@@ -29,7 +29,10 @@ void check_dtype(const TensorView& t, const char* name, std::initializer_list<DT
 }
 
 void check_contiguous(const TensorView& t, const char* name) {
-  require(t.is_contiguous(), concat(name, " must be contiguous (row-major), got strides of shape ", t.shape_string()));
+  if (t.is_contiguous()) return;
+  std::ostringstream strides;
+  for (int i = 0; i < t.rank; ++i) strides << (i ? ", " : "") << t.stride[size_t(i)];
+  fail(concat(name, " must be contiguous (row-major), got strides (", strides.str(), ") for shape ", t.shape_string()));
 }
 
 void check_inner_contiguous(const TensorView& t, const char* name) {
