@@ -123,6 +123,46 @@ __device__ __forceinline__ void st_shared_v4_zero(uint32_t addr) {
   asm volatile("st.shared.v4.b32 [%0], {%1,%1,%1,%1};\n" ::"r"(addr), "r"(0) : "memory");
 }
 
+// 2^x on the SFU without exp2f's denormal rescaling (results below 2^-126 flush to 0, far
+// under bf16 resolution relative to the row maximum that softmax subtracts).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// 16-byte global store (one STG.128 whatever the compiler knows about the pointer).
+__device__ __forceinline__ void st_global_v4(void* ptr, uint4 v) {
+  asm volatile("st.global.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"l"(ptr), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
+// Shared-memory mbarriers (producer / consumer hand-off inside a CTA).
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
+}
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
+}
+// Arrives once every cp.async this thread issued so far has landed (counts toward the
+// barrier's expected arrivals).
+__device__ __forceinline__ void mbar_arrive_on_cp_async(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
+}
+// Waits until the phase of the given parity has completed.
+__device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
+  asm volatile(
+      "{\n.reg .pred done;\n"
+      "MSA_MBAR_WAIT_%=:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 done, [%0], %1;\n"
+      "@!done bra MSA_MBAR_WAIT_%=;\n}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+// Barrier of `threads` threads on named barrier `id` (0 is __syncthreads).
+__device__ __forceinline__ void named_barrier(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // Rounds a shared-memory address up to a multiple of 1024 bytes (swizzled tiles need it).
 __device__ __forceinline__ uint32_t align1024(uint32_t addr) { return (addr + 1023u) & ~1023u; }
 

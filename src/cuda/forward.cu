@@ -1,11 +1,16 @@
 // Sparse attention forward, KV-outer: one task = (schedule item, up to 8 of its queries).
-// The CTA loads the item's key block (K, V: 128 keys x 128) once; warp w takes query w of
-// the task, whose 16 heads are the 16 rows of one m16 MMA tile, so each warp applies its own
-// causal limit. Each (query, block) edge writes a normalised bf16 partial output and its
-// LSE into slot split_slot; a second kernel merges the slots of every (query, head) by LSE.
+// Warpgroup wg of the CTA computes queries 4wg..4wg+3 of the task; warp w owns one query, whose
+// 16 heads are its 16 rows of the warpgroup's m64 tiles, so each warp applies its own causal
+// limit. S = Q K^T and O = P V both run on wgmma (P straight from registers). Each
+// (query, block) edge writes a normalised bf16 partial output and its LSE into slot
+// split_slot; a second kernel merges the slots of every (query, head) by LSE.
 //
-// The CTA is persistent (one per SM) and prefetches the next task's K, V and Q with
-// cp.async while computing the current one (two shared-memory stages of 96 KB).
+// The CTA is persistent (one per SM) and walks a contiguous share of the task list, so
+// consecutive tasks almost always read the same key block (the schedule lists the full items
+// of a (head, block) row one after another): K and V^T stay in shared memory until the block
+// changes. A producer warpgroup reads the schedule and streams each task's Q rows through four
+// shared-memory stages with cp.async (mbarrier hand-off), so the two computing warpgroups
+// never wait on metadata loads.
 #include "backend.h"
 #include "cuda/common.cuh"
 #include "cuda/device.cuh"
@@ -15,12 +20,16 @@
 namespace msa::cuda {
 namespace {
 
-constexpr int kWarps = 8;
-constexpr int kThreads = kWarps * 32;
-constexpr int kTileBytes = 128 * 256;                       // 128 rows of 128 bf16
-constexpr int kStageBytes = 3 * kTileBytes;                 // K, V, Q (warp w: rows 16w..16w+15)
-constexpr int kMetaBytes = 2 * kWarps * 4 * 4;
-constexpr int kSmemBytes = 2 * kStageBytes + kMetaBytes + 1024;  // + alignment slack
+constexpr int kConsumerWarps = 8;
+constexpr int kConsumers = kConsumerWarps * 32;
+constexpr int kProducerWarps = 4;         // one warpgroup: 12 warps cost no registers over 9
+constexpr int kQueriesPerProducer = kConsumerWarps / kProducerWarps;
+constexpr int kThreads = kConsumers + 32 * kProducerWarps;
+constexpr int kTileBytes = 128 * 256;      // 128 rows of 128 bf16
+constexpr int kQStages = 4;                // Q tiles in flight (query w: rows 16w..16w+15)
+constexpr int kMetaInts = 4 * kConsumerWarps + 4;  // per query: row, slot, key limit, head; task: head, doc, block
+constexpr int kSmemBytes = (2 + kQStages) * kTileBytes + kQStages * kMetaInts * 4 + 2 * kQStages * 8 + 1024;
+constexpr int kKvBarrier = 3;              // named barrier of the consumers (1, 2: warpgroups)
 
 struct ForwardArgs {
   const __nv_bfloat16* q;  // [Tq, Hq, 128]
@@ -38,72 +47,91 @@ struct ForwardArgs {
   int Hq, Hkv;
   int nsub;                   // tasks per schedule item: ceil(q_per_cta / 8)
   float scale_log2;           // softmax scale * log2(e)
-  int use_wgmma;              // S = Q K^T on wgmma (else mma.sync)
 };
 
-// Issues the cp.async loads of one task into a stage and records per-warp metadata:
-// meta[w] = (packed query row or -1, partial slot, last visible key index in the block).
-__device__ void load_task(const ForwardArgs& a, int64_t task, uint32_t stage, int* meta, int tid) {
-  const int64_t item = task / a.nsub;
-  const int sub = int(task % a.nsub);
-  const int32_t* it = a.schedule + item * 6;
+// Producer warp pw (of kProducerWarps): metadata and Q rows of queries pw * kQueriesPerProducer..
+// of one task into `meta` / `stage` (cp.async); `full` completes when every producer warp's
+// share has landed. Rows of absent queries are zero (they keep the warpgroup's products
+// finite; their results are not written).
+__device__ void produce_task(const ForwardArgs& a, int64_t task, uint32_t stage, int* meta, uint32_t full, int pw,
+                             int lane) {
+  const int32_t* it = a.schedule + (task / a.nsub) * 6;
   const int g = it[0], q_begin = it[2], q_count = it[3], b = it[4], j = it[5];
+  const int w = pw * kQueriesPerProducer + lane;  // the query (consumer warp) this lane describes
+  const int qi = int(task % a.nsub) * 8 + w;
+  int row = -1, slot = 0, limit = 127;
+  if (lane < kQueriesPerProducer && qi < q_count) {
+    const DocInfo d = a.docs[b];
+    const int64_t e = int64_t(g) * a.total_q * 16 + q_begin + qi;
+    const int ql = a.q_indices[e];
+    row = d.q_start + ql;
+    slot = a.split_slot[e];
+    limit = d.k_len - d.q_len + ql - j * 128;
+  }
+  if (lane < kQueriesPerProducer) *reinterpret_cast<int4*>(meta + 4 * w) = make_int4(row, slot, limit, g);
+  if (pw == 0 && lane == kQueriesPerProducer)
+    *reinterpret_cast<int4*>(meta + 4 * kConsumerWarps) = make_int4(g, b, j, 0);
+  // Lane l copies 16-byte chunk (l & 15) of rows 2k + (l >> 4), k = 0..7, of each query: the
+  // same shared-memory offsets for every query but the row base (a multiple of 8 rows).
+  const int rr = lane >> 4, c = lane & 15;
+#pragma unroll
+  for (int i = 0; i < kQueriesPerProducer; ++i) {
+    const int r = __shfl_sync(0xffffffffu, row, i);
+    const int qw = pw * kQueriesPerProducer + i;
+    const __nv_bfloat16* src = a.q + (int64_t(max(r, 0)) * a.Hq + 16 * g) * 128 + rr * 128 + c * 8;
+    const int bytes = r >= 0 ? 16 : 0;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) cp_async16(stage + tile_offset(128, 16 * qw + 2 * k + rr, c), src + k * 256, bytes);
+  }
+  mbar_arrive_on_cp_async(full);
+  __syncwarp();  // the metadata stores of this warp happen before lane 0's arrival
+  if (lane == 0) mbar_arrive(full);
+}
+
+// Loads key block j of head g into the K tile (rows = keys) and V transposed into the V^T
+// tile (rows = dims, columns = keys), so that both products read K-major operands. Keys past
+// the document end are zero. Runs (by the consumers) once per block change.
+__device__ void load_key_block(const ForwardArgs& a, int g, int b, int j, uint32_t ks, uint32_t vts, int tid) {
   const DocInfo d = a.docs[b];
   const int key0 = j * 128;
   const int nkeys = min(128, d.k_len - key0);
-  const int64_t kv_off = (int64_t(d.k_start + key0) * a.Hkv + g) * 128;
-  load_tile_async(stage, 128, 0, a.k + kv_off, int64_t(a.Hkv) * 128, 128, nkeys, tid, kThreads);
-  load_tile_async(stage + kTileBytes, 128, 0, a.v + kv_off, int64_t(a.Hkv) * 128, 128, nkeys, tid, kThreads);
-  const int w = tid >> 5, lane = tid & 31;
-  const int qi = sub * 8 + w;
-  if (qi < q_count) {
-    const int64_t e = int64_t(g) * a.total_q * 16 + q_begin + qi;
-    const int ql = a.q_indices[e];
-    const int row = d.q_start + ql;
-    load_tile_async(stage + 2 * kTileBytes, 128, 16 * w, a.q + (int64_t(row) * a.Hq + 16 * g) * 128, 128, 16, 16, lane,
-                    32);
-    if (lane == 0) {
-      meta[4 * w] = row;
-      meta[4 * w + 1] = a.split_slot[e];
-      meta[4 * w + 2] = d.k_len - d.q_len + ql - key0;
-      meta[4 * w + 3] = g;
+  const int64_t stride = int64_t(a.Hkv) * 128;
+  const __nv_bfloat16* kb = a.k + (int64_t(d.k_start + key0) * a.Hkv + g) * 128;
+  const __nv_bfloat16* vb = a.v + (int64_t(d.k_start + key0) * a.Hkv + g) * 128;
+  for (int c = tid; c < 128 * 16; c += kConsumers) {
+    const int key = c >> 4, ch = c & 15;
+    uint4 x = make_uint4(0, 0, 0, 0);
+    if (key < nkeys) x = __ldg(reinterpret_cast<const uint4*>(kb + key * stride + ch * 8));
+    asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(ks + tile_offset(128, key, ch)), "r"(x.x), "r"(x.y),
+                 "r"(x.z), "r"(x.w)
+                 : "memory");
+  }
+  // A warp covers 32 consecutive keys of one 8-dim chunk: its 2-byte stores hit one row.
+  for (int c = tid; c < 128 * 16; c += kConsumers) {
+    const int key = c & 127, ch = c >> 7;
+    uint4 x = make_uint4(0, 0, 0, 0);
+    if (key < nkeys) x = __ldg(reinterpret_cast<const uint4*>(vb + key * stride + ch * 8));
+    const uint32_t words[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const uint32_t addr = vts + tile_offset(128, ch * 8 + e, key >> 3) + (key & 7) * 2;
+      const uint16_t h = uint16_t(words[e >> 1] >> (16 * (e & 1)));
+      asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(addr), "h"(h) : "memory");
     }
-  } else {
-    // Zero rows keep the warpgroup's S product finite; the warp's results are not used.
-    load_tile_async(stage + 2 * kTileBytes, 128, 16 * w, a.q, 128, 16, 0, lane, 32);
-    if (lane == 0) meta[4 * w] = -1;
   }
 }
 
-__device__ void compute_task(const ForwardArgs& a, uint32_t stage, const int* meta, int warp, int lane) {
-  const int row = meta[4 * warp];
-  const int slot = meta[4 * warp + 1], limit = meta[4 * warp + 2], g = meta[4 * warp + 3];
-  const uint32_t ks = stage, vs = stage + kTileBytes, qs = stage + 2 * kTileBytes;
-  const int r16 = 16 * warp;
+__device__ void compute_task(const ForwardArgs& a, uint32_t ks, uint32_t vts, uint32_t qs, const int* meta, int warp,
+                             int lane) {
+  const int4 m = *reinterpret_cast<const int4*>(meta + 4 * warp);
+  const int row = m.x, slot = m.y, limit = m.z, g = m.w;
+  const int wg = warp >> 2;
 
+  // S: the warpgroup's 4 queries (64 rows) against the 128 keys.
   float s[16][4];
-  if (a.use_wgmma) {
-    // The warpgroup's 4 queries (64 rows) against the 128 keys, all warps take part.
-    wgmma_rows_x128(s, qs, 128, 64 * (warp >> 2), ks, 128, 0);
-    warpgroup_barrier(warp >> 2);  // every warp's Q rows are read before any warp reuses them
-    if (row < 0) return;
-  } else {
-    if (row < 0) return;
-#pragma unroll
-    for (int i = 0; i < 16; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-#pragma unroll
-    for (int kt = 0; kt < 8; ++kt) {
-      uint32_t af[4];
-      load_a(af, qs, 128, r16, kt * 16, lane);
-#pragma unroll
-      for (int np = 0; np < 8; ++np) {
-        uint32_t bf[4];
-        load_b_nk(bf, ks, 128, np * 16, kt * 16, lane);
-        mma_bf16(s[2 * np], af, bf[0], bf[1]);
-        mma_bf16(s[2 * np + 1], af, bf[2], bf[3]);
-      }
-    }
-  }
+  wgmma_rows_x128(s, qs, 128, 64 * wg, ks, 128, 0);
+  warpgroup_barrier(wg);  // every warp's Q rows are read before any warp reuses them
+
   const int t = lane & 3;
   if (limit < 127) {
 #pragma unroll
@@ -122,40 +150,41 @@ __device__ void compute_task(const ForwardArgs& a, uint32_t stage, const int* me
   m1 = warp_max4(m1);
   const float ms0 = m0 * a.scale_log2, ms1 = m1 * a.scale_log2;
   float l0 = 0.f, l1 = 0.f;
+  uint32_t p[8][4];
 #pragma unroll
-  for (int nt = 0; nt < 16; ++nt) {
-    s[nt][0] = exp2f(s[nt][0] * a.scale_log2 - ms0);
-    s[nt][1] = exp2f(s[nt][1] * a.scale_log2 - ms0);
-    s[nt][2] = exp2f(s[nt][2] * a.scale_log2 - ms1);
-    s[nt][3] = exp2f(s[nt][3] * a.scale_log2 - ms1);
-    l0 += s[nt][0] + s[nt][1];
-    l1 += s[nt][2] + s[nt][3];
+  for (int kt = 0; kt < 8; ++kt) {
+    float e[2][4];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      e[h][0] = fast_exp2(s[2 * kt + h][0] * a.scale_log2 - ms0);
+      e[h][1] = fast_exp2(s[2 * kt + h][1] * a.scale_log2 - ms0);
+      e[h][2] = fast_exp2(s[2 * kt + h][2] * a.scale_log2 - ms1);
+      e[h][3] = fast_exp2(s[2 * kt + h][3] * a.scale_log2 - ms1);
+      l0 += e[h][0] + e[h][1];
+      l1 += e[h][2] + e[h][3];
+    }
+    p[kt][0] = pack_bf16(e[0][0], e[0][1]);
+    p[kt][1] = pack_bf16(e[0][2], e[0][3]);
+    p[kt][2] = pack_bf16(e[1][0], e[1][1]);
+    p[kt][3] = pack_bf16(e[1][2], e[1][3]);
   }
   l0 = warp_sum4(l0);
   l1 = warp_sum4(l1);
 
+  // O = P V: P from registers, V^T (rows = dims) as the K-major B operand.
   float o[16][4];
 #pragma unroll
   for (int i = 0; i < 16; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  wgmma_fence();
 #pragma unroll
-  for (int kt = 0; kt < 8; ++kt) {
-    uint32_t af[4];
-    af[0] = pack_bf16(s[2 * kt][0], s[2 * kt][1]);
-    af[1] = pack_bf16(s[2 * kt][2], s[2 * kt][3]);
-    af[2] = pack_bf16(s[2 * kt + 1][0], s[2 * kt + 1][1]);
-    af[3] = pack_bf16(s[2 * kt + 1][2], s[2 * kt + 1][3]);
-#pragma unroll
-    for (int np = 0; np < 8; ++np) {
-      uint32_t bf[4];
-      load_b_kn(bf, vs, 128, kt * 16, np * 16, lane);
-      mma_bf16(o[2 * np], af, bf[0], bf[1]);
-      mma_bf16(o[2 * np + 1], af, bf[2], bf[3]);
-    }
-  }
-  // Normalise, stage through this warp's Q tile (no longer needed) and write 16-byte rows.
+  for (int kt = 0; kt < 8; ++kt) wgmma_m64n128k16_rs(o, p[kt], tile_desc(vts, 128, 0, kt), kt > 0);
+  wgmma_commit();
+  wgmma_wait<0>();
+  if (row < 0) return;
+
+  // Normalise, stage through this warp's Q rows (no longer needed) and write 16-byte rows.
   const float inv0 = 1.f / l0, inv1 = 1.f / l1;
-  const int r0 = lane >> 2;
-  __syncwarp();
+  const int r0 = lane >> 2, r16 = 16 * warp;
 #pragma unroll
   for (int nt = 0; nt < 16; ++nt) {
     st_shared_u32(qs + tile_offset(128, r16 + r0, nt) + 4 * t, pack_bf16(o[nt][0] * inv0, o[nt][1] * inv0));
@@ -167,7 +196,7 @@ __device__ void compute_task(const ForwardArgs& a, uint32_t stage, const int* me
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const int c = i * 32 + lane, r = c >> 4, ch = c & 15;
-    *reinterpret_cast<uint4*>(dst + r * 128 + ch * 8) = ld_shared_v4(qs + tile_offset(128, r16 + r, ch));
+    st_global_v4(dst + r * 128 + ch * 8, ld_shared_v4(qs + tile_offset(128, r16 + r, ch)));
   }
   if (t == 0) {
     constexpr float kLn2 = 0.6931471805599453f;
@@ -180,79 +209,119 @@ __global__ void __launch_bounds__(kThreads, 1) forward_tasks_kernel(const Forwar
   extern __shared__ __align__(128) unsigned char smem[];
   if (a.status[0] != 0) return;
   const int64_t tasks = int64_t(*a.work_count) * a.nsub;
+  const int64_t first = tasks * blockIdx.x / gridDim.x, last = tasks * (blockIdx.x + 1) / gridDim.x;
+  if (first >= last) return;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const uint32_t base = align1024(smem_addr(smem));
-  int* meta = reinterpret_cast<int*>(smem + (base - smem_addr(smem)) + 2 * kStageBytes);
-  int64_t task = blockIdx.x;
-  if (task >= tasks) return;
-  load_task(a, task, base, meta, tid);
-  cp_async_commit();
-  int stage = 0;
-  for (; task < tasks; task += gridDim.x) {
-    const int64_t next = task + gridDim.x;
-    if (next < tasks) load_task(a, next, base + (stage ^ 1) * kStageBytes, meta + (stage ^ 1) * 4 * kWarps, tid);
-    cp_async_commit();
-    cp_async_wait<1>();
-    fence_proxy_async();
-    __syncthreads();
-    compute_task(a, base + stage * kStageBytes, meta + stage * 4 * kWarps, warp, lane);
-    __syncthreads();
-    stage ^= 1;
+  unsigned char* base_ptr = smem + (base - smem_addr(smem));
+  const uint32_t ks = base, vts = base + kTileBytes, q0 = base + 2 * kTileBytes;
+  int* meta0 = reinterpret_cast<int*>(base_ptr + (2 + kQStages) * kTileBytes);
+  const uint32_t bars = base + (2 + kQStages) * kTileBytes + kQStages * kMetaInts * 4;  // full[s], then empty[s]
+  if (tid == 0) {
+    for (int i = 0; i < kQStages; ++i) {
+      mbar_init(bars + 8 * i, 33 * kProducerWarps);  // per producer warp: 32 cp.async arrivals + metadata
+      mbar_init(bars + 8 * (kQStages + i), kConsumerWarps);
+    }
+  }
+  __syncthreads();
+
+  if (warp >= kConsumerWarps) {
+    for (int64_t t = first; t < last; ++t) {
+      const int n = int(t - first), stage = n % kQStages, use = n / kQStages;
+      if (use > 0) mbar_wait(bars + 8 * (kQStages + stage), (use - 1) & 1);
+      produce_task(a, t, q0 + stage * kTileBytes, meta0 + stage * kMetaInts, bars + 8 * stage, warp - kConsumerWarps,
+                   lane);
+    }
+    cp_async_wait<0>();
+    return;
+  }
+
+  int loaded_g = -1, loaded_b = -1, loaded_j = -1;
+  for (int64_t t = first; t < last; ++t) {
+    const int n = int(t - first), stage = n % kQStages, use = n / kQStages;
+    mbar_wait(bars + 8 * stage, use & 1);
+    fence_proxy_async();  // the cp.async rows are read by wgmma next
+    const int* meta = meta0 + stage * kMetaInts;
+    const int4 blk = *reinterpret_cast<const int4*>(meta + 4 * kConsumerWarps);
+    if (blk.x != loaded_g || blk.y != loaded_b || blk.z != loaded_j) {
+      named_barrier(kKvBarrier, kConsumers);  // every consumer is done with the old block
+      load_key_block(a, blk.x, blk.y, blk.z, ks, vts, tid);
+      loaded_g = blk.x, loaded_b = blk.y, loaded_j = blk.z;
+      fence_proxy_async();
+      named_barrier(kKvBarrier, kConsumers);
+    }
+    compute_task(a, ks, vts, q0 + stage * kTileBytes, meta, warp, lane);
+    __syncwarp();
+    if (lane == 0) mbar_arrive(bars + 8 * (kQStages + stage));
   }
 }
 
-// One warp per (query, head): merges the query's partial states for that head.
+// Merges the partial states of every (query, head): thread = 8 output dims of one
+// (query, head), so a thread has all of the row's up-to-16 partial loads in flight at once.
 template <typename Out>
 __global__ void forward_merge_kernel(const __nv_bfloat16* __restrict__ part_o, const float* __restrict__ part_lse,
                                      const int32_t* __restrict__ split_counts, const int32_t* __restrict__ status,
                                      int64_t total_q, int Hq, int Hkv, Out* __restrict__ out, float* __restrict__ lse) {
-  const int64_t wid = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
-  const int lane = threadIdx.x & 31;
-  if (wid >= total_q * Hq) return;
-  const int64_t q = wid / Hq;
-  const int h = int(wid % Hq);
+  const int64_t gid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (gid >= total_q * Hq * 16) return;
+  const int64_t qh = gid >> 4;  // query * Hq + head
+  const int chunk = int(gid & 15);
+  const int64_t q = qh / Hq;
+  const int h = int(qh % Hq);
   const int C = split_counts[q * Hkv + h / 16];
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
-  float m = -INFINITY, z = 0.f;
+  const int64_t slot_stride = total_q * Hq;
+  float acc[8];
+#pragma unroll
+  for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+  float m = -INFINITY;
   if (status[0] != 0) {
     m = NAN;
-    acc[0] = acc[1] = acc[2] = acc[3] = NAN;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc[e] = NAN;
   } else if (C > 0) {
-    const float mine = lane < C ? part_lse[(int64_t(lane) * total_q + q) * Hq + h] : -INFINITY;
-    m = mine;
+    float l[16];
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-    const float wmine = (lane < C && m > -INFINITY) ? __expf(mine - m) : 0.f;
-    z = wmine;
+    for (int s = 0; s < 16; ++s) {
+      l[s] = s < C ? part_lse[s * slot_stride + qh] : -INFINITY;
+      m = fmaxf(m, l[s]);
+    }
+    uint4 raw[16];
 #pragma unroll
-    for (int off = 16; off > 0; off >>= 1) z += __shfl_xor_sync(0xffffffffu, z, off);
-    for (int s = 0; s < C; ++s) {
-      const float ws = __shfl_sync(0xffffffffu, wmine, s);
-      const uint2 raw = *reinterpret_cast<const uint2*>(part_o + ((int64_t(s) * total_q + q) * Hq + h) * 128 + lane * 4);
-      acc[0] += ws * bf16_bits_to_float(uint16_t(raw.x & 0xffff));
-      acc[1] += ws * bf16_bits_to_float(uint16_t(raw.x >> 16));
-      acc[2] += ws * bf16_bits_to_float(uint16_t(raw.y & 0xffff));
-      acc[3] += ws * bf16_bits_to_float(uint16_t(raw.y >> 16));
+    for (int s = 0; s < 16; ++s)
+      if (s < C) raw[s] = *reinterpret_cast<const uint4*>(part_o + (s * slot_stride + qh) * 128 + chunk * 8);
+    float z = 0.f;
+#pragma unroll
+    for (int s = 0; s < 16; ++s) {
+      if (s >= C) continue;
+      const float w = m > -INFINITY ? __expf(l[s] - m) : 0.f;
+      z += w;
+      const uint32_t words[4] = {raw[s].x, raw[s].y, raw[s].z, raw[s].w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        acc[2 * e] += w * bf16_bits_to_float(uint16_t(words[e] & 0xffff));
+        acc[2 * e + 1] += w * bf16_bits_to_float(uint16_t(words[e] >> 16));
+      }
     }
     if (m > -INFINITY && z > 0.f && isfinite(z)) {
       const float inv = 1.f / z;
-      for (float& x : acc) x *= inv;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] *= inv;
       m = m + logf(z);
     } else {
-      acc[0] = acc[1] = acc[2] = acc[3] = 0.f;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] = 0.f;
       m = -INFINITY;
     }
   }
-  Out* dst = out + wid * 128 + lane * 4;
+  Out* dst = out + qh * 128 + chunk * 8;
   if constexpr (sizeof(Out) == 4) {
     *reinterpret_cast<float4*>(dst) = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    *reinterpret_cast<float4*>(dst + 4) = make_float4(acc[4], acc[5], acc[6], acc[7]);
   } else {
-    uint2 packed;
-    packed.x = pack_bf16(acc[0], acc[1]);
-    packed.y = pack_bf16(acc[2], acc[3]);
-    *reinterpret_cast<uint2*>(dst) = packed;
+    st_global_v4(dst, make_uint4(pack_bf16(acc[0], acc[1]), pack_bf16(acc[2], acc[3]),
+                                                pack_bf16(acc[4], acc[5]), pack_bf16(acc[6], acc[7])));
   }
-  if (lane == 0) lse[wid] = m;
+  if (chunk == 0) lse[qh] = m;
 }
 
 }  // namespace
@@ -282,7 +351,6 @@ void sparse_attention_forward(const Topology& topo, const PackedLayout& L, const
   a.Hkv = topo.num_kv_heads;
   a.nsub = int(ceil_div(plan.q_per_cta, 8));
   a.scale_log2 = topo.attention_scale() * 1.4426950408889634f;
-  a.use_wgmma = use_wgmma() ? 1 : 0;
   const int64_t max_tasks = st.schedule_capacity * a.nsub;
   if (max_tasks > 0) {
     MSA_CUDA_CHECK(cudaFuncSetAttribute(forward_tasks_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
@@ -290,8 +358,7 @@ void sparse_attention_forward(const Topology& topo, const PackedLayout& L, const
     forward_tasks_kernel<<<grid, kThreads, kSmemBytes, s>>>(a);
     MSA_CUDA_CHECK_LAUNCH("forward_tasks_kernel");
   }
-  const int64_t warps = Tq * topo.num_q_heads;
-  const int blocks = int(ceil_div(warps * 32, 256));
+  const int blocks = int(ceil_div(Tq * topo.num_q_heads * 16, 256));
   if (p.out.dtype == DType::f32) {
     forward_merge_kernel<float><<<blocks, 256, 0, s>>>(a.part_o, a.part_lse, i32(plan.split_counts), a.status, Tq,
                                                        a.Hq, a.Hkv, p.out.as<float>(), p.lse.as<float>());
