@@ -424,7 +424,7 @@ TEST(GpuInference, DecodeAttentionMatchesCpuEveryFormat) {
 TEST(GpuInference, PagedForwardAgainstOracle) {
   MSA_REQUIRE_GPU();
   MSA_SEEDED_RNG(rng);
-  const PagedCase c = make_decode_case(rng, kSmall, {1, 130, 2400, 0, 128, 129, 0}, 2);
+  const PagedCase c = make_decode_case(rng, kSmall, {1, 130, 2400, 0, 128, 129, 0}, 1);
   DeviceCase d(c);
   const InferencePlan plan = gpu_plan(c, 2);
   GpuOutputs o(c, DType::bf16);
