@@ -194,7 +194,8 @@ struct InferencePlan {
                          //   -1 for padding rows; feed it to insert_kv for this step's tokens
   Buffer partial_out;    // decode: [num_kv_splits, total_q, Hq, 128] f32 split-K partial outputs
   Buffer partial_lse;    // decode: [num_kv_splits, total_q, Hq] f32 split-K partial LSEs
-  Buffer scratch_f32;    // CPU: [num_threads, n] f32 per-thread work space
+  Buffer scratch_f32;    // CPU: [num_threads, n] f32 per-thread work space; CUDA: indexer page
+                         //   scores [rows, Hi * history pages] for a chunk of rows
 };
 
 InferencePlan plan_paged_prefill(const Topology& topo, const PagedPrefillMetadata& meta,

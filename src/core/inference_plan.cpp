@@ -127,6 +127,14 @@ InferencePlan finish(const Topology& topo, InferencePhase phase, const StepReque
   if (!dev.is_cuda()) {
     plan.num_threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();
     plan.scratch_f32 = Buffer(dev, DType::f32, {plan.num_threads, cpu::inference_scratch_f32(plan)});
+  } else {
+    // CUDA: the indexer's page scores [rows, Hi * history pages] for up to `rows` query rows
+    // at a time (runs take the rows in chunks of this size), at most ~128 MiB.
+    const int64_t history = std::max<int64_t>(1, (plan.max_seqlen_k + kPageSize - 1) / kPageSize - 1);
+    const int64_t per_row = int64_t(topo.num_index_heads) * history;
+    const int64_t budget = int64_t(32) << 20;  // floats
+    const int64_t rows = std::clamp<int64_t>(budget / per_row, 16, std::max<int64_t>(plan.total_q, 16));
+    plan.scratch_f32 = Buffer(dev, DType::f32, {rows, per_row});
   }
   return plan;
 }

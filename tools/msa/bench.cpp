@@ -128,6 +128,7 @@ nlohmann::json step_json(const StepTiming& s) {
 }  // namespace
 
 int run_bench(const BenchOptions& o) {
+  if (o.decode) return run_bench_decode(o);
   const Device dev = resolve_backend(o.backend);
   std::vector<int64_t> sizes;
   if (!o.sizes.empty()) sizes = parse_size_list(o.sizes, "--sizes");

@@ -17,8 +17,10 @@ struct BenchOptions {
   int tp = 1;                     // MiniMax-M3 tensor-parallel shard: Hq = 64 / tp, Hkv = Hi = 4 / tp
   uint64_t seed = 1;
   std::string json_path;          // also write the table as JSON here
+  bool decode = false;            // time decode steps (bench_decode.cpp) instead of training steps
 };
 
 int run_bench(const BenchOptions& options);
+int run_bench_decode(const BenchOptions& options);
 
 }  // namespace msa::tool

@@ -521,9 +521,9 @@ int run_demo(const DemoOptions& o) {
 
   // ---- decode: paged caches, 8 queries per request ----
   progress("6/6 decode: paged indexer + split-K attention, 8 queries per request (CPU backend)");
-  const DecodeStepResult decode = run_decode_step(topo, o.seed, o.threads);
+  const DecodeStepResult decode = run_decode_step(topo, dev, o.seed, o.threads);
   StepReport decode_step;
-  decode_step.name = dev.is_cuda() ? "decode (cpu)" : "decode";
+  decode_step.name = "decode";
   decode_step.seconds = decode.seconds;
   decode_step.bytes = decode.bytes;
   decode_step.check = decode.check;

@@ -26,7 +26,7 @@ const std::vector<int32_t> kSeqLens = {4100, 2500, 1300, 130, 3333, 2049, 5000, 
 
 }  // namespace
 
-DecodeStepResult run_decode_step(const Topology& topo, uint64_t seed, int threads) {
+DecodeStepResult run_decode_step(const Topology& topo, Device device, uint64_t seed, int threads) {
   const int Q = kQueriesPerRequest, Hq = topo.num_q_heads, Hkv = topo.num_kv_heads, Hi = topo.num_index_heads,
             D = topo.head_dim, K = topo.topk;
   const int64_t B = int64_t(kSeqLens.size()), rows = B * Q;
@@ -65,24 +65,50 @@ DecodeStepResult run_decode_step(const Topology& topo, uint64_t seed, int thread
   meta.q_len_per_req = Q;
   InferencePlanOptions plan_options;
   plan_options.num_threads = threads;
+  plan_options.device = device;
   const InferencePlan plan = plan_decode(topo, meta, plan_options);
-  PagedKvCache cache;
+  // The run's tensors live on `device` (device copies on a GPU); results come back to the host.
+  DeviceArena arena(device);
+  const bool gpu = device.is_cuda();
+  Buffer q_d, qi_d, kc_d, vc_d, kic_d, topk_d, out_d, lse_d;
+  if (gpu) {
+    q_d = arena.upload(q.view());
+    qi_d = arena.upload(qi.view());
+    kc_d = arena.upload(kc.view());
+    vc_d = arena.upload(vc.view());
+    kic_d = arena.upload(kic.view());
+    topk_d = arena.allocate(DType::i32, {Hi, rows, K});
+    out_d = arena.allocate(DType::bf16, {rows, Hq, D});
+    lse_d = arena.allocate(DType::f32, {rows, Hq});
+  }
+  PagedKvCache cache;  // host views, for the oracle
   cache.k = kc.view();
   cache.v = vc.view();
+  PagedKvCache run_cache = cache;
+  if (gpu) {
+    run_cache.k = kc_d.view();
+    run_cache.v = vc_d.view();
+  }
   PagedIndexerParams ip;
-  ip.index_q = qi.view();
-  ip.index_k_cache = kic.view();
-  ip.topk = topk.view();
+  ip.index_q = gpu ? qi_d.view() : qi.view();
+  ip.index_k_cache = gpu ? kic_d.view() : kic.view();
+  ip.topk = gpu ? topk_d.view() : topk.view();
   PagedAttentionParams ap;
-  ap.q = q.view();
-  ap.kv = cache;
-  ap.out = out.view();
-  ap.lse = lse.view();
+  ap.q = gpu ? q_d.view() : q.view();
+  ap.kv = run_cache;
+  ap.out = gpu ? out_d.view() : out.view();
+  ap.lse = gpu ? lse_d.view() : lse.view();
   RunOptions run;
   run.num_threads = threads;
 
   DecodeStepResult r;
-  r.seconds = time_once(Device::cpu(), [&] { paged_forward(plan, ip, ap, run); });
+  if (gpu) paged_forward(plan, ip, ap, run);  // warm-up (first launches configure the kernels)
+  r.seconds = time_once(device, [&] { paged_forward(plan, ip, ap, run); });
+  if (gpu) {
+    topk = arena.download("topk", topk_d.view());
+    out = arena.download("out", out_d.view());
+    lse = arena.download("lse", lse_d.view());
+  }
 
   // ---- float64 oracle: selection as sets (near-ties allowed), then attention over msa's selection ----
   const oracle::PagedRequests req = oracle::decode_requests(kSeqLens, page_table, max_pages, Q);

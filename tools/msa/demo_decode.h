@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 
+#include "msa/tensor.h"
 #include "msa/topology.h"
 
 namespace msa::tool {
@@ -18,7 +19,7 @@ struct DecodeStepResult {
   std::string workload;  // "8 requests x 8 queries, contexts ..."
 };
 
-// Runs on the CPU backend (the paged operations have no CUDA implementation yet).
-DecodeStepResult run_decode_step(const Topology& topo, uint64_t seed, int threads);
+// Runs on `device` (the CPU or a CUDA device); the check runs on the host.
+DecodeStepResult run_decode_step(const Topology& topo, Device device, uint64_t seed, int threads);
 
 }  // namespace msa::tool

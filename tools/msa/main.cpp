@@ -81,6 +81,7 @@ int main(int argc, char** argv) {
   CLI::App* bench_cmd = app.add_subcommand(
       "bench", "Time indexer, plan, forward, backward and KL on one document per size (MiniMax-M3 heads) for independent "
                "and coherent selections; median of repeats after a warm-up.");
+  bench_cmd->add_flag("--decode", bench.decode, "Time decode steps (paged indexer + attention, batch 8/32/128 x context 4k/32k/128k) instead");
   bench_cmd->add_option("--json", bench.json_path, "Also write the results as JSON to this file");
   bench_cmd->add_option("--backend", bench.backend, "auto, cpu or cuda")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}))

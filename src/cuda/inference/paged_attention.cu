@@ -1,0 +1,533 @@
+// Sparse attention over the paged K/V caches on the GPU (paged prefill and split-K decode).
+//
+// CTA = (tile of R consecutive query rows, KV head g, split s). Decode: R = Q (the rows of one
+// request); prefill: R = 16 consecutive rows (possibly of several requests). The CTA gathers
+// the union of the logical pages its rows selected in split s (slots s * 16 / S ..), keyed by
+// (request, page), and streams each distinct page of K and V once: cp.async into a double-
+// buffered shared-memory stage (16-byte copies; the next page is in flight while the current
+// one is used), FP8 / NVFP4 codes widened to exact bf16 values in shared memory. Rows of the
+// tile that did not select a page skip it; tokens past a row's position are masked.
+//
+// Warps: NW = 8 (R <= 8) or 16. Warp w serves row w / kw and the token slice (w % kw) * 128 / kw
+// of every page, kw = the largest power of two with R * kw <= NW; its 16 query heads are one
+// m16 tile: S = Q K^T and O += P V run on tensor cores (mma.sync m16n8k16, fp32 accumulation)
+// with an fp32 online softmax over chunks of 16 tokens. Scales: per-tensor K scales (FP8, NVFP4
+// global) and the softmax scale multiply the logits, per-token K scales each logit column,
+// per-token V scales the probabilities fed to P V, per-tensor V scales the output. At the end
+// the kw partial states of a row are merged in shared memory; splits > 1 write normalised
+// partial states that merge_states combines by LSE.
+#include <algorithm>
+
+#include "backend.h"
+#include "core/check.h"
+#include "cuda/device.cuh"
+#include "cuda/inference/quant.cuh"
+
+namespace msa::cuda {
+
+namespace {
+
+using namespace inference;
+
+constexpr int kGroup = 16;          // query heads per KV head
+constexpr int kMaxEntries = 256;    // rows x slots per split
+constexpr int kQTileBytes = kGroup * kHeadDim * 2;
+constexpr int kTileBytes = kPageSize * kHeadDim * 2;  // one bf16 [128, 128] tile
+
+struct AttnArgs {
+  const __nv_bfloat16* q;
+  int64_t q_s0, q_s1;                 // elements
+  const uint8_t* k;
+  const uint8_t* v;
+  int64_t k_s0, k_s1, k_s2;           // bytes
+  int64_t v_s0, v_s1, v_s2;
+  const uint8_t* ksf;
+  const uint8_t* vsf;
+  int64_t ksf_s0, ksf_s1, ksf_s2;     // bytes
+  int64_t vsf_s0, vsf_s1, vsf_s2;
+  const float* k_tensor_scale;        // nullptr: 1
+  const float* v_tensor_scale;
+  const float* k_token_scale;         // nullptr: none
+  const float* v_token_scale;
+  int64_t k_token_stride, v_token_stride;
+  const int32_t* topk;                // [Hkv, T, 16]
+  const int32_t* positions;
+  const int32_t* request;
+  const int32_t* page_table;
+  int64_t max_pages;
+  int64_t total_q;
+  int hq;
+  int rows_per_tile;
+  int kw;                             // warps per row
+  int splits;
+  float softmax_scale;
+  void* out;                          // splits == 1: [T, Hq, 128] bf16 / f32
+  bool out_f32;
+  float* lse;                         // splits == 1: [T, Hq]
+  float* part_out;                    // splits > 1: [S, T, Hq, 128]
+  float* part_lse;                    // splits > 1: [S, T, Hq]
+};
+
+__device__ __forceinline__ int64_t min64(int64_t x, int64_t y) { return x < y ? x : y; }
+
+template <KvFormat F>
+struct Layout {
+  static constexpr int kStageBytes = F == KvFormat::bf16 ? 2 * kTileBytes
+                                     : F == KvFormat::fp8_e4m3 ? 2 * kPageSize * kHeadDim
+                                                               : 2 * kPageSize * kHeadDim / 2 + 2 * kPageSize * 8;
+  static constexpr int kTiles = F == KvFormat::bf16 ? 0 : 2 * kStageBytes;  // converted K, V tiles
+  static constexpr int kQ = kTiles + (F == KvFormat::bf16 ? 2 * kStageBytes : 2 * kTileBytes);
+};
+
+template <int NW>
+constexpr int merge_bytes() { return NW * (kGroup * kHeadDim + 2 * kGroup) * 4; }
+
+struct Control {
+  float ks[kPageSize], vs[kPageSize];
+  int32_t ent_req[kMaxEntries], ent_id[kMaxEntries], ent_first[kMaxEntries], ent_uidx[kMaxEntries];
+  int32_t uq_phys[kMaxEntries], uq_id[kMaxEntries], uq_nmax[kMaxEntries];
+  uint32_t uq_mask[kMaxEntries];
+  int32_t count;
+};
+
+template <int NW, KvFormat F>
+constexpr int main_bytes() {
+  return std::max(Layout<F>::kQ + NW * kQTileBytes, merge_bytes<NW>());
+}
+
+template <int NW, KvFormat F>
+constexpr int smem_bytes() { return 1024 + main_bytes<NW, F>() + int(sizeof(Control)); }
+
+__device__ __forceinline__ void st_shared_v4(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+__device__ __forceinline__ uint2 ld_shared_v2(uint32_t addr) {
+  uint2 v;
+  asm volatile("ld.shared.v2.b32 {%0,%1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
+  return v;
+}
+
+// Issues the copies of one page (both sides) into a stage; rows t >= nmax are zero-filled.
+template <int NT, KvFormat F>
+__device__ __forceinline__ void issue_page(const AttnArgs& a, uint32_t stage, int32_t phys, int g, int nmax) {
+  const int tid = threadIdx.x;
+  const uint8_t* kp = a.k + phys * a.k_s0 + g * a.k_s1;
+  const uint8_t* vp = a.v + phys * a.v_s0 + g * a.v_s1;
+  if constexpr (F == KvFormat::bf16) {
+    for (int i = tid; i < 2 * kPageSize * 16; i += NT) {
+      const int side = i / (kPageSize * 16), t = (i / 16) % kPageSize, c = i % 16;
+      const bool ok = t < nmax;
+      const uint8_t* src = side ? vp + t * a.v_s2 : kp + t * a.k_s2;
+      cp_async16(stage + side * kTileBytes + tile_offset(kPageSize, t, c), ok ? src + c * 16 : kp, ok ? 16 : 0);
+    }
+  } else if constexpr (F == KvFormat::fp8_e4m3) {
+    for (int i = tid; i < 2 * kPageSize * 8; i += NT) {
+      const int side = i / (kPageSize * 8), t = (i / 8) % kPageSize, c = i % 8;
+      const bool ok = t < nmax;
+      const uint8_t* src = side ? vp + t * a.v_s2 : kp + t * a.k_s2;
+      cp_async16(stage + side * (kPageSize * 128) + t * 128 + c * 16, ok ? src + c * 16 : kp, ok ? 16 : 0);
+    }
+  } else {
+    for (int i = tid; i < 2 * kPageSize * 4; i += NT) {
+      const int side = i / (kPageSize * 4), t = (i / 4) % kPageSize, c = i % 4;
+      const bool ok = t < nmax;
+      const uint8_t* src = side ? vp + t * a.v_s2 : kp + t * a.k_s2;
+      cp_async16(stage + side * (kPageSize * 64) + t * 64 + c * 16, ok ? src + c * 16 : kp, ok ? 16 : 0);
+    }
+    const uint8_t* ks = a.ksf + phys * a.ksf_s0 + g * a.ksf_s1;
+    const uint8_t* vs = a.vsf + phys * a.vsf_s0 + g * a.vsf_s1;
+    for (int i = tid; i < 2 * kPageSize; i += NT) {
+      const int side = i / kPageSize, t = i % kPageSize;
+      const bool ok = t < nmax;
+      const uint8_t* src = side ? vs + t * a.vsf_s2 : ks + t * a.ksf_s2;
+      cp_async8(stage + 2 * kPageSize * 64 + side * (kPageSize * 8) + t * 8, ok ? src : ks, ok ? 8 : 0);
+    }
+  }
+}
+
+// Widens a quantised stage into the bf16 K and V tiles.
+template <int NT, KvFormat F>
+__device__ __forceinline__ void convert_page(uint32_t stage, uint32_t tiles) {
+  const int tid = threadIdx.x;
+  if constexpr (F == KvFormat::fp8_e4m3) {
+    for (int i = tid; i < 2 * kPageSize * 8; i += NT) {
+      const int side = i / (kPageSize * 8), t = (i / 8) % kPageSize, c = i % 8;
+      const uint4 raw = ld_shared_v4(stage + side * (kPageSize * 128) + t * 128 + c * 16);
+      const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+      uint32_t o[8];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        o[2 * j] = bf16x2_bits(e4m3_to_f32(uint8_t(w[j])), e4m3_to_f32(uint8_t(w[j] >> 8)));
+        o[2 * j + 1] = bf16x2_bits(e4m3_to_f32(uint8_t(w[j] >> 16)), e4m3_to_f32(uint8_t(w[j] >> 24)));
+      }
+      const uint32_t tile = tiles + side * kTileBytes;
+      st_shared_v4(tile + tile_offset(kPageSize, t, 2 * c), o[0], o[1], o[2], o[3]);
+      st_shared_v4(tile + tile_offset(kPageSize, t, 2 * c + 1), o[4], o[5], o[6], o[7]);
+    }
+  } else if constexpr (F == KvFormat::nvfp4) {
+    for (int i = tid; i < 2 * kPageSize * 4; i += NT) {
+      const int side = i / (kPageSize * 4), t = (i / 4) % kPageSize, c = i % 4;  // elements 32c .. 32c + 31
+      const uint4 raw = ld_shared_v4(stage + side * (kPageSize * 64) + t * 64 + c * 16);
+      const uint2 sf = ld_shared_v2(stage + 2 * kPageSize * 64 + side * (kPageSize * 8) + t * 8);
+      const uint32_t scales = c < 2 ? sf.x : sf.y;
+      const float s0 = e4m3_to_f32(uint8_t(scales >> (16 * (c & 1)))), s1 = e4m3_to_f32(uint8_t(scales >> (16 * (c & 1) + 8)));
+      const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+      uint32_t o[16];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {  // word j: elements 32c + 8j .. + 7, block scale s0 for j < 2
+        const float s = j < 2 ? s0 : s1;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const uint32_t byte = (w[j] >> (8 * e)) & 0xffu;
+          o[4 * j + e] = bf16x2_bits(e4m3_to_f32(nvfp4_to_e4m3(byte & 0xfu, s)), e4m3_to_f32(nvfp4_to_e4m3(byte >> 4, s)));
+        }
+      }
+      const uint32_t tile = tiles + side * kTileBytes;
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        st_shared_v4(tile + tile_offset(kPageSize, t, 4 * c + q), o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
+    }
+  }
+}
+
+template <int NW, KvFormat F>
+__global__ void __launch_bounds__(NW * 32, 1) paged_attention_kernel(const AttnArgs a) {
+  constexpr int NT = NW * 32;
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t base = align1024(smem_addr(smem_raw));
+  uint8_t* base_ptr = smem_raw + (base - smem_addr(smem_raw));
+  Control& ctl = *reinterpret_cast<Control*>(base_ptr + main_bytes<NW, F>());
+  const uint32_t stage0 = base, stage1 = base + Layout<F>::kStageBytes;
+  const uint32_t tiles = F == KvFormat::bf16 ? 0u : base + Layout<F>::kTiles;
+  const uint32_t q_tiles = base + Layout<F>::kQ;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int R = a.rows_per_tile;
+  const int64_t r0 = int64_t(blockIdx.x) * R;
+  const int nrows = int(min64(R, a.total_q - r0));
+  const int g = blockIdx.y, split = blockIdx.z;
+  const int slot0 = split * 16 / a.splits, spp = 16 / a.splits;
+  const int entries = R * spp;
+
+  // 1. Distinct pages of the tile's selections in this split, keyed by (request, page).
+  int32_t my_req = -1, my_id = -1, my_n = 0, my_row = 0;
+  if (tid < kMaxEntries) {
+    ctl.uq_mask[tid] = 0u;
+    ctl.uq_nmax[tid] = 0;
+  }
+  if (tid < entries) {
+    my_row = tid / spp;
+    if (my_row < nrows) {
+      const int64_t r = r0 + my_row;
+      const int32_t id = a.topk[(int64_t(g) * a.total_q + r) * 16 + slot0 + tid % spp];
+      const int32_t pos = a.positions[r];
+      if (id >= 0 && pos >= 0 && int64_t(id) * kPageSize <= pos) {
+        my_req = a.request[r];
+        my_id = id;
+        my_n = int(min64(kPageSize, int64_t(pos) - int64_t(id) * kPageSize + 1));
+      }
+    }
+    ctl.ent_req[tid] = my_req;
+    ctl.ent_id[tid] = my_id;
+  }
+  __syncthreads();
+  int owner = -1;
+  if (tid < entries && my_req >= 0)
+    for (int e = 0; e <= tid; ++e)
+      if (ctl.ent_req[e] == my_req && ctl.ent_id[e] == my_id) {
+        owner = e;
+        break;
+      }
+  const bool first = owner == tid && owner >= 0;
+  if (tid < kMaxEntries) ctl.ent_first[tid] = first ? 1 : 0;
+  const int unique = __syncthreads_count(first);
+  if (first) {
+    int idx = 0;  // distinct pages first seen before this entry
+    for (int e = 0; e < tid; ++e) idx += ctl.ent_first[e];
+    ctl.ent_uidx[tid] = idx;
+    ctl.uq_phys[idx] = a.page_table[int64_t(my_req) * a.max_pages + my_id];
+    ctl.uq_id[idx] = my_id;
+  }
+  __syncthreads();
+  if (owner >= 0) {
+    const int u = ctl.ent_uidx[owner];
+    atomicOr(&ctl.uq_mask[u], 1u << my_row);
+    atomicMax(&ctl.uq_nmax[u], my_n);
+  }
+
+  // 2. Query tiles of the rows (16 heads x 128 each).
+  for (int i = tid; i < nrows * kGroup * 16; i += NT) {
+    const int row = i / (kGroup * 16), h = (i / 16) % kGroup, c = i % 16;
+    const __nv_bfloat16* src = a.q + (r0 + row) * a.q_s0 + int64_t(g * kGroup + h) * a.q_s1 + c * 8;
+    cp_async16(q_tiles + row * kQTileBytes + tile_offset(kGroup, h, c), src, 16);
+  }
+  cp_async_commit();
+  __syncthreads();
+
+  // 3. Pages.
+  const int kw = a.kw, tw = kPageSize / kw;
+  const int my_tile_row = warp / kw, t_begin = (warp % kw) * tw;
+  const bool active = my_tile_row < nrows;
+  const int32_t row_pos = active ? a.positions[r0 + my_tile_row] : -1;
+  const float k_tensor = a.k_tensor_scale ? *a.k_tensor_scale : 1.0f;
+  const float v_tensor = a.v_tensor_scale ? *a.v_tensor_scale : 1.0f;
+  const float qk_scale = a.softmax_scale * k_tensor;
+  const bool per_token = a.k_token_scale != nullptr;
+  const uint32_t q_tile = q_tiles + my_tile_row * kQTileBytes;
+  const int quad = lane & 3, gr = lane >> 2;
+
+  float o[16][4];
+#pragma unroll
+  for (int n = 0; n < 16; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+
+  if (unique > 0) issue_page<NT, F>(a, stage0, ctl.uq_phys[0], g, ctl.uq_nmax[0]);
+  cp_async_commit();
+  for (int u = 0; u < unique; ++u) {
+    if (u + 1 < unique) issue_page<NT, F>(a, (u + 1) & 1 ? stage1 : stage0, ctl.uq_phys[u + 1], g, ctl.uq_nmax[u + 1]);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+    const uint32_t stage = u & 1 ? stage1 : stage0;
+    const int nmax = ctl.uq_nmax[u];
+    if (per_token && tid < 2 * kPageSize) {
+      const int side = tid / kPageSize, t = tid % kPageSize;
+      const int64_t slot = int64_t(ctl.uq_phys[u]) * kPageSize + t;
+      const float s = t < nmax ? (side ? a.v_token_scale[g * a.v_token_stride + slot] : a.k_token_scale[g * a.k_token_stride + slot]) : 0.0f;
+      (side ? ctl.vs : ctl.ks)[t] = s;
+    }
+    if constexpr (F != KvFormat::bf16) convert_page<NT, F>(stage, tiles);
+    if (per_token || F != KvFormat::bf16) __syncthreads();
+    const uint32_t k_tile = F == KvFormat::bf16 ? stage : tiles;
+    const uint32_t v_tile = k_tile + kTileBytes;
+
+    if (active && ((ctl.uq_mask[u] >> my_tile_row) & 1u)) {
+      const int n_row = int(min64(kPageSize, int64_t(row_pos) - int64_t(ctl.uq_id[u]) * kPageSize + 1));
+      const int t_end = min(t_begin + tw, n_row);
+      for (int c0 = t_begin; c0 < t_end; c0 += 16) {
+        float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk) {
+          uint32_t qa[4], kb[4];
+          load_a(qa, q_tile, kGroup, 0, kk * 16, lane);
+          load_b_nk(kb, k_tile, kPageSize, c0, kk * 16, lane);
+          mma_bf16(s[0], qa, kb[0], kb[1]);
+          mma_bf16(s[1], qa, kb[2], kb[3]);
+        }
+        float cmax0 = -INFINITY, cmax1 = -INFINITY;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int t = c0 + nt * 8 + 2 * quad + (e & 1);
+            float x = s[nt][e] * qk_scale;
+            if (per_token) x *= ctl.ks[t];
+            if (t >= n_row) x = -INFINITY;
+            s[nt][e] = x;
+            if (e < 2) cmax0 = fmaxf(cmax0, x);
+            else cmax1 = fmaxf(cmax1, x);
+          }
+        cmax0 = warp_max4(cmax0);
+        cmax1 = warp_max4(cmax1);
+        const float new0 = fmaxf(m0, cmax0), new1 = fmaxf(m1, cmax1);
+        const float use0 = new0 == -INFINITY ? 0.0f : new0, use1 = new1 == -INFINITY ? 0.0f : new1;
+        const float alpha0 = expf(m0 - use0), alpha1 = expf(m1 - use1);
+        m0 = new0;
+        m1 = new1;
+        l0 *= alpha0;
+        l1 *= alpha1;
+#pragma unroll
+        for (int n = 0; n < 16; ++n) {
+          o[n][0] *= alpha0;
+          o[n][1] *= alpha0;
+          o[n][2] *= alpha1;
+          o[n][3] *= alpha1;
+        }
+        float pv[2][4];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float pr = expf(s[nt][e] - (e < 2 ? use0 : use1));
+            if (e < 2) l0 += pr;
+            else l1 += pr;
+            const int t = c0 + nt * 8 + 2 * quad + (e & 1);
+            pv[nt][e] = per_token ? pr * ctl.vs[t] : pr;
+          }
+        const uint32_t pa[4] = {bf16x2_bits(pv[0][0], pv[0][1]), bf16x2_bits(pv[0][2], pv[0][3]),
+                                bf16x2_bits(pv[1][0], pv[1][1]), bf16x2_bits(pv[1][2], pv[1][3])};
+#pragma unroll
+        for (int dn = 0; dn < 8; ++dn) {
+          uint32_t vb[4];
+          load_b_kn(vb, v_tile, kPageSize, c0, dn * 16, lane);
+          mma_bf16(o[2 * dn], pa, vb[0], vb[1]);
+          mma_bf16(o[2 * dn + 1], pa, vb[2], vb[3]);
+        }
+      }
+    }
+    __syncthreads();  // the stage may be refilled
+  }
+  cp_async_wait<0>();
+  __syncthreads();
+
+  // 4. Merge the kw states of each row and write.
+  l0 = warp_sum4(l0);
+  l1 = warp_sum4(l1);
+  float* merge = reinterpret_cast<float*>(base_ptr);
+  float* wo = merge + warp * (kGroup * kHeadDim + 2 * kGroup);  // [16, 128] then m[16], l[16]
+#pragma unroll
+  for (int n = 0; n < 16; ++n) {
+    const int d = n * 8 + 2 * quad;
+    wo[gr * kHeadDim + d] = o[n][0];
+    wo[gr * kHeadDim + d + 1] = o[n][1];
+    wo[(gr + 8) * kHeadDim + d] = o[n][2];
+    wo[(gr + 8) * kHeadDim + d + 1] = o[n][3];
+  }
+  if (quad == 0) {
+    wo[kGroup * kHeadDim + gr] = m0;
+    wo[kGroup * kHeadDim + gr + 8] = m1;
+    wo[kGroup * kHeadDim + kGroup + gr] = l0;
+    wo[kGroup * kHeadDim + kGroup + gr + 8] = l1;
+  }
+  __syncthreads();
+  for (int idx = tid; idx < nrows * kGroup * kHeadDim; idx += NT) {
+    const int row = idx / (kGroup * kHeadDim), h = (idx / kHeadDim) % kGroup, d = idx % kHeadDim;
+    float mx = -INFINITY;
+    for (int k = 0; k < kw; ++k) mx = fmaxf(mx, merge[(row * kw + k) * (kGroup * kHeadDim + 2 * kGroup) + kGroup * kHeadDim + h]);
+    float L = 0.0f, acc = 0.0f;
+    if (mx > -INFINITY)
+      for (int k = 0; k < kw; ++k) {
+        const float* st = merge + (row * kw + k) * (kGroup * kHeadDim + 2 * kGroup);
+        const float mk = st[kGroup * kHeadDim + h];
+        if (!(mk > -INFINITY)) continue;
+        const float w = expf(mk - mx);
+        L += st[kGroup * kHeadDim + kGroup + h] * w;
+        acc += st[h * kHeadDim + d] * w;
+      }
+    const bool ok = mx > -INFINITY && L > 0.0f;
+    const float value = ok ? acc / L * v_tensor : 0.0f;
+    const float lse = ok ? mx + logf(L) : -INFINITY;
+    const int64_t r = r0 + row, rh = r * a.hq + g * kGroup + h;
+    if (a.splits == 1) {
+      if (a.out_f32) static_cast<float*>(a.out)[rh * kHeadDim + d] = value;
+      else static_cast<__nv_bfloat16*>(a.out)[rh * kHeadDim + d] = __float2bfloat16_rn(value);
+      if (d == 0) a.lse[rh] = lse;
+    } else {
+      const int64_t at = int64_t(split) * a.total_q * a.hq + rh;
+      a.part_out[at * kHeadDim + d] = value;
+      if (d == 0) a.part_lse[at] = lse;
+    }
+  }
+}
+
+template <int NW, KvFormat F>
+void launch(const AttnArgs& a, dim3 grid, cudaStream_t stream) {
+  constexpr int smem = smem_bytes<NW, F>();
+  static_assert(smem <= 227 * 1024, "shared memory of paged_attention_kernel");
+  static bool configured = false;
+  if (!configured) {
+    MSA_CUDA_CHECK(cudaFuncSetAttribute(paged_attention_kernel<NW, F>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    configured = true;
+  }
+  paged_attention_kernel<NW, F><<<grid, NW * 32, smem, stream>>>(a);
+  MSA_CUDA_CHECK_LAUNCH("paged_attention_kernel");
+}
+
+template <int NW>
+void launch_format(KvFormat f, const AttnArgs& a, dim3 grid, cudaStream_t stream) {
+  switch (f) {
+    case KvFormat::bf16: return launch<NW, KvFormat::bf16>(a, grid, stream);
+    case KvFormat::fp8_e4m3: return launch<NW, KvFormat::fp8_e4m3>(a, grid, stream);
+    case KvFormat::nvfp4: return launch<NW, KvFormat::nvfp4>(a, grid, stream);
+  }
+}
+
+}  // namespace
+
+void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, const RunOptions& opt) {
+  DeviceGuard guard(p.q.device.index);
+  const cudaStream_t stream = as_stream(opt);
+  const int64_t T = plan.total_q;
+  if (T == 0) return;
+  const Topology& topo = plan.topo;
+  const PagedKvCache& c = p.kv;
+  const bool decode = plan.phase == InferencePhase::decode;
+  const int splits = decode ? plan.num_kv_splits : 1;
+  const int64_t elem = c.format == KvFormat::bf16 ? 2 : 1;
+
+  using detail::require;
+  require(rows_aligned16(p.q.data, 2, {p.q.stride[0], p.q.stride[1]}),
+          "paged_attention (CUDA): q rows must start at 16-byte aligned addresses");
+  require(rows_aligned16(c.k.data, elem, {c.k.stride[0], c.k.stride[1], c.k.stride[2]}) &&
+              rows_aligned16(c.v.data, elem, {c.v.stride[0], c.v.stride[1], c.v.stride[2]}),
+          "paged_attention (CUDA): K / V cache rows must start at 16-byte aligned addresses");
+
+  AttnArgs a{};
+  a.q = p.q.as<const __nv_bfloat16>();
+  a.q_s0 = p.q.stride[0];
+  a.q_s1 = p.q.stride[1];
+  a.k = static_cast<const uint8_t*>(c.k.data);
+  a.v = static_cast<const uint8_t*>(c.v.data);
+  a.k_s0 = c.k.stride[0] * elem;
+  a.k_s1 = c.k.stride[1] * elem;
+  a.k_s2 = c.k.stride[2] * elem;
+  a.v_s0 = c.v.stride[0] * elem;
+  a.v_s1 = c.v.stride[1] * elem;
+  a.v_s2 = c.v.stride[2] * elem;
+  if (c.format == KvFormat::nvfp4) {
+    const auto aligned8 = [](const TensorView& t) {
+      return reinterpret_cast<uintptr_t>(t.data) % 8 == 0 && t.stride[0] % 8 == 0 && t.stride[1] % 8 == 0 && t.stride[2] % 8 == 0;
+    };
+    require(aligned8(c.k_block_scale) && aligned8(c.v_block_scale),
+            "paged_attention (CUDA): NVFP4 block-scale rows must start at 8-byte aligned addresses");
+    a.ksf = static_cast<const uint8_t*>(c.k_block_scale.data);
+    a.vsf = static_cast<const uint8_t*>(c.v_block_scale.data);
+    a.ksf_s0 = c.k_block_scale.stride[0];
+    a.ksf_s1 = c.k_block_scale.stride[1];
+    a.ksf_s2 = c.k_block_scale.stride[2];
+    a.vsf_s0 = c.v_block_scale.stride[0];
+    a.vsf_s1 = c.v_block_scale.stride[1];
+    a.vsf_s2 = c.v_block_scale.stride[2];
+  }
+  const KvSideScales ks = side_scales(c, false), vs = side_scales(c, true);
+  a.k_tensor_scale = ks.tensor;
+  a.v_tensor_scale = vs.tensor;
+  a.k_token_scale = ks.token;
+  a.v_token_scale = vs.token;
+  a.k_token_stride = ks.token_stride;
+  a.v_token_stride = vs.token_stride;
+  a.topk = p.topk.as<const int32_t>();
+  a.positions = static_cast<const int32_t*>(plan.positions.data());
+  a.request = static_cast<const int32_t*>(plan.query_request.data());
+  a.page_table = static_cast<const int32_t*>(plan.page_table.data());
+  a.max_pages = plan.max_pages;
+  a.total_q = T;
+  a.hq = topo.num_q_heads;
+  a.rows_per_tile = decode ? plan.q_len_per_req : 16;
+  const int nw = a.rows_per_tile > 8 ? 16 : 8;
+  a.kw = 1;
+  while (a.rows_per_tile * a.kw * 2 <= nw) a.kw *= 2;
+  a.splits = splits;
+  a.softmax_scale = topo.attention_scale();
+  a.out = p.out.data;
+  a.out_f32 = p.out.dtype == DType::f32;
+  a.lse = p.lse.as<float>();
+  if (splits > 1) {
+    a.part_out = static_cast<float*>(plan.partial_out.data());
+    a.part_lse = static_cast<float*>(plan.partial_lse.data());
+  }
+  const dim3 grid(unsigned(ceil_div(T, a.rows_per_tile)), unsigned(topo.num_kv_heads), unsigned(splits));
+  if (nw == 16) launch_format<16>(c.format, a, grid, stream);
+  else launch_format<8>(c.format, a, grid, stream);
+
+  if (splits > 1) {
+    MergeStatesParams merge;
+    merge.out_partials = plan.partial_out.view();
+    merge.lse_partials = plan.partial_lse.view();
+    merge.out = p.out;
+    merge.lse = p.lse;
+    cuda::merge_states(merge, opt);
+  }
+}
+
+}  // namespace msa::cuda

@@ -1,0 +1,354 @@
+// Paged indexer on the GPU, in two kernels per chunk of query rows:
+//   1. index_scores_kernel: CTA = (16 consecutive query rows, run of kPagesPerCta logical
+//      pages). The rows' index-q vectors (rows x Hi, at most 64) sit in shared memory as a
+//      bf16 tile; every history page of the index-K cache is streamed once per CTA (16-byte
+//      loads, the next page in flight while the current one is multiplied) and
+//      S = q . k^T runs on tensor cores (mma.sync m16n8k16, fp32 accumulation). The page score
+//      max_t S (NaN if any token's score is NaN) goes to the plan's scratch [rows, Hi, pages].
+//      The 16 rows of a CTA may belong to several requests (decode with Q < 16): they are
+//      handled request by request.
+//   2. select_kernel: one warp per (row, index head) applies the selection rule of the CPU's
+//      select_row: init pages, the best history pages by (score desc, page id asc) with NaN
+//      never chosen, then the local pages; -1 padding; padding rows all -1.
+// FP8 index-q / index-K codes are widened to bf16 exactly (E4M3 values are bf16 values).
+#include <algorithm>
+#include <climits>
+
+#include "core/check.h"
+#include "cuda/device.cuh"
+#include "cuda/inference/quant.cuh"
+
+namespace msa::cuda {
+
+namespace {
+
+using namespace inference;
+
+constexpr int kThreads = 256;
+constexpr int kTileRows = 16;      // query rows per CTA
+constexpr int kMaxVectors = 64;    // rows x index heads per request segment (16 x 4)
+constexpr int kPagesPerCta = 8;
+
+struct ScoreArgs {
+  const uint8_t* q;        // bf16 or fp8
+  int64_t q_s0, q_s1;
+  const uint8_t* k;        // bf16 or fp8 [pages, 128, 128]
+  int64_t k_s0, k_s1;
+  const int32_t* positions;
+  const int32_t* request;
+  const int32_t* page_table;
+  int64_t max_pages;
+  int64_t row_begin, row_end;
+  int hi;
+  int topk;
+  float* scores;           // [rows, hi, score_stride]
+  int64_t score_stride;
+};
+
+// Pages whose scores the row needs: [0, local) when it sees more than topk pages, else none.
+__device__ __forceinline__ int64_t scored_pages(int32_t pos, int topk) {
+  if (pos < 0) return 0;
+  const int64_t local = pos / kPageSize;
+  return local + 1 > topk ? local : 0;
+}
+
+template <bool QFp8>
+__device__ __forceinline__ void load_q_chunk(const ScoreArgs& a, int64_t row, int head, int chunk, uint4& out) {
+  const int64_t at = row * a.q_s0 + head * a.q_s1 + chunk * 8;
+  float v[8];
+  if constexpr (QFp8) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = e4m3_to_f32(a.q[at + i]);
+  } else {
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(a.q) + at;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) v[i] = __uint_as_float(uint32_t(p[i]) << 16);
+  }
+  out = make_uint4(bf16x2_bits(v[0], v[1]), bf16x2_bits(v[2], v[3]), bf16x2_bits(v[4], v[5]), bf16x2_bits(v[6], v[7]));
+}
+
+// Register stage of one index-K page: bf16 = 8 x 16 bytes a thread, fp8 = 4 x 16 bytes.
+template <bool KFp8>
+struct PageRegs {
+  static constexpr int kChunks = KFp8 ? 4 : 8;
+  uint4 r[kChunks];
+};
+
+template <bool KFp8>
+__device__ __forceinline__ void fetch_page(const ScoreArgs& a, int32_t phys, PageRegs<KFp8>& regs) {
+  const uint8_t* page = a.k + int64_t(phys) * a.k_s0 * (KFp8 ? 1 : 2);
+  const int64_t row_bytes = a.k_s1 * (KFp8 ? 1 : 2);
+#pragma unroll
+  for (int i = 0; i < PageRegs<KFp8>::kChunks; ++i) {
+    const int c = threadIdx.x + i * kThreads;  // 16-byte chunk: row c / 8 (fp8) or c / 16 (bf16)
+    const int per_row = KFp8 ? 8 : 16;
+    const int t = c / per_row, col = c % per_row;
+    regs.r[i] = __ldg(reinterpret_cast<const uint4*>(page + t * row_bytes + col * 16));
+  }
+}
+
+template <bool KFp8>
+__device__ __forceinline__ void store_page(uint32_t tile, const PageRegs<KFp8>& regs) {
+#pragma unroll
+  for (int i = 0; i < PageRegs<KFp8>::kChunks; ++i) {
+    const int c = threadIdx.x + i * kThreads;
+    if constexpr (KFp8) {
+      const int t = c / 8, col = c % 8;  // 16 codes -> bf16 chunks 2 col, 2 col + 1
+      const uint32_t w[4] = {regs.r[i].x, regs.r[i].y, regs.r[i].z, regs.r[i].w};
+      uint32_t o[8];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        o[2 * j] = bf16x2_bits(e4m3_to_f32(uint8_t(w[j])), e4m3_to_f32(uint8_t(w[j] >> 8)));
+        o[2 * j + 1] = bf16x2_bits(e4m3_to_f32(uint8_t(w[j] >> 16)), e4m3_to_f32(uint8_t(w[j] >> 24)));
+      }
+      const uint32_t d0 = tile + tile_offset(kPageSize, t, 2 * col), d1 = tile + tile_offset(kPageSize, t, 2 * col + 1);
+      asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(d0), "r"(o[0]), "r"(o[1]), "r"(o[2]), "r"(o[3]) : "memory");
+      asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(d1), "r"(o[4]), "r"(o[5]), "r"(o[6]), "r"(o[7]) : "memory");
+    } else {
+      const int t = c / 16, col = c % 16;
+      const uint32_t d = tile + tile_offset(kPageSize, t, col);
+      asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(d), "r"(regs.r[i].x), "r"(regs.r[i].y),
+                   "r"(regs.r[i].z), "r"(regs.r[i].w)
+                   : "memory");
+    }
+  }
+}
+
+template <bool QFp8, bool KFp8>
+__global__ void __launch_bounds__(kThreads) index_scores_kernel(const ScoreArgs a) {
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t base = align1024(smem_addr(smem_raw));
+  const uint32_t k_tile = base;                                  // [128 tokens, 128] bf16: 32 KB
+  const uint32_t q_tile = base + kPageSize * kHeadDim * 2;       // [64 vectors, 128] bf16: 16 KB
+  __shared__ float partial[2][kMaxVectors];
+
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t tile_begin = a.row_begin + int64_t(blockIdx.x) * kTileRows;
+  const int64_t tile_end = min(tile_begin + kTileRows, a.row_end);
+  const int64_t page_begin = int64_t(blockIdx.y) * kPagesPerCta;
+
+  for (int64_t seg = tile_begin; seg < tile_end;) {
+    const int32_t req = a.request[seg];
+    int64_t seg_end = seg + 1;
+    while (seg_end < tile_end && a.request[seg_end] == req) ++seg_end;
+    const int64_t need = scored_pages(a.positions[seg_end - 1], a.topk);  // positions rise within a request
+    const int64_t page_end = min(page_begin + kPagesPerCta, need);
+    if (page_begin < page_end) {
+      const int nv = int(seg_end - seg) * a.hi;
+      __syncthreads();  // the previous segment is done with the Q tile
+      for (int i = threadIdx.x; i < kMaxVectors * 16; i += kThreads) {
+        const int vec = i / 16, chunk = i % 16;
+        uint4 val = make_uint4(0, 0, 0, 0);
+        if (vec < nv) load_q_chunk<QFp8>(a, seg + vec / a.hi, vec % a.hi, chunk, val);
+        const uint32_t d = q_tile + tile_offset(kMaxVectors, vec, chunk);
+        asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(d), "r"(val.x), "r"(val.y), "r"(val.z), "r"(val.w)
+                     : "memory");
+      }
+      const int32_t* table = a.page_table + int64_t(req) * a.max_pages;
+      PageRegs<KFp8> regs;
+      fetch_page<KFp8>(a, table[page_begin], regs);
+      const int mt = warp & 3, half = warp >> 2;  // m-tile of 16 vectors, 64-token half
+      for (int64_t j = page_begin; j < page_end; ++j) {
+        __syncthreads();  // the previous page's products are done
+        store_page<KFp8>(k_tile, regs);
+        __syncthreads();
+        if (j + 1 < page_end) fetch_page<KFp8>(a, table[j + 1], regs);
+        if (mt * 16 < nv) {
+          float acc[8][4];
+#pragma unroll
+          for (int n = 0; n < 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+#pragma unroll
+          for (int kk = 0; kk < 8; ++kk) {
+            uint32_t qa[4];
+            load_a(qa, q_tile, kMaxVectors, mt * 16, kk * 16, lane);
+#pragma unroll
+            for (int np = 0; np < 4; ++np) {
+              uint32_t kb[4];
+              load_b_nk(kb, k_tile, kPageSize, half * 64 + np * 16, kk * 16, lane);
+              mma_bf16(acc[2 * np], qa, kb[0], kb[1]);
+              mma_bf16(acc[2 * np + 1], qa, kb[2], kb[3]);
+            }
+          }
+          float best0 = -INFINITY, best1 = -INFINITY;
+          bool nan0 = false, nan1 = false;
+#pragma unroll
+          for (int n = 0; n < 8; ++n) {
+            nan0 |= isnan(acc[n][0]) || isnan(acc[n][1]);
+            nan1 |= isnan(acc[n][2]) || isnan(acc[n][3]);
+            best0 = fmaxf(best0, fmaxf(acc[n][0], acc[n][1]));
+            best1 = fmaxf(best1, fmaxf(acc[n][2], acc[n][3]));
+          }
+          best0 = warp_max4(best0);
+          best1 = warp_max4(best1);
+          // A page score is NaN when any of its token scores is (fmaxf alone would skip it).
+          int flags = (nan0 ? 1 : 0) | (nan1 ? 2 : 0);
+          flags |= __shfl_xor_sync(0xffffffffu, flags, 1);
+          flags |= __shfl_xor_sync(0xffffffffu, flags, 2);
+          if ((lane & 3) == 0) {
+            const int g = lane >> 2;
+            partial[half][mt * 16 + g] = (flags & 1) ? NAN : best0;
+            partial[half][mt * 16 + g + 8] = (flags & 2) ? NAN : best1;
+          }
+        }
+        __syncthreads();
+        if (threadIdx.x < nv) {
+          const int vec = threadIdx.x;
+          const float s0 = partial[0][vec], s1 = partial[1][vec];
+          const float s = (isnan(s0) || isnan(s1)) ? NAN : fmaxf(s0, s1);
+          const int64_t row = seg + vec / a.hi;
+          a.scores[((row - a.row_begin) * a.hi + vec % a.hi) * a.score_stride + j] = s;
+        }
+      }
+    }
+    seg = seg_end;
+  }
+}
+
+struct SelectArgs {
+  const float* scores;
+  int64_t score_stride;
+  const int32_t* positions;
+  int64_t row_begin, row_end, total_q;
+  int hi;
+  int topk, init_blocks, local_blocks;
+  int32_t* out;  // [hi, total_q, topk]
+};
+
+// (score desc, id asc) order; invalid candidates (id = INT_MAX) come last.
+__device__ __forceinline__ bool ranks_before(float s, int id, float bs, int bid) {
+  if (id == INT_MAX) return false;
+  if (bid == INT_MAX) return true;
+  return s > bs || (s == bs && id < bid);
+}
+
+__global__ void __launch_bounds__(kThreads) select_kernel(const SelectArgs a) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t item = int64_t(blockIdx.x) * (kThreads / 32) + warp;
+  if (item >= (a.row_end - a.row_begin) * a.hi) return;
+  const int64_t row = a.row_begin + item / a.hi;
+  const int g = int(item % a.hi);
+  const int32_t pos = a.positions[row];
+  const int64_t nvis = pos < 0 ? 0 : pos / kPageSize + 1;
+  int32_t* out = a.out + (int64_t(g) * a.total_q + row) * a.topk;
+  int n = 0;
+  if (nvis <= a.topk) {
+    for (int s = lane; s < a.topk; s += 32) out[s] = s < nvis ? s : -1;
+    return;
+  }
+  const int64_t local_begin = nvis - a.local_blocks;
+  const int64_t init_end = min(int64_t(a.init_blocks), local_begin);
+  const int slots = a.topk - int(init_end) - a.local_blocks;
+  for (int64_t b = lane; b < init_end; b += 32) out[b] = int32_t(b);
+  n = int(init_end);
+  const float* score = a.scores + ((row - a.row_begin) * a.hi + g) * a.score_stride;
+  float prev_s = INFINITY;
+  int prev_id = -1;
+  for (int k = 0; k < slots; ++k) {
+    float bs = 0.0f;
+    int bid = INT_MAX;
+    for (int64_t b = init_end + lane; b < local_begin; b += 32) {
+      const float s = score[b];
+      if (isnan(s)) continue;
+      const bool after_prev = s < prev_s || (s == prev_s && int(b) > prev_id);
+      if (after_prev && ranks_before(s, int(b), bs, bid)) {
+        bs = s;
+        bid = int(b);
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+      const float os = __shfl_xor_sync(0xffffffffu, bs, o);
+      const int oid = __shfl_xor_sync(0xffffffffu, bid, o);
+      if (ranks_before(os, oid, bs, bid)) {
+        bs = os;
+        bid = oid;
+      }
+    }
+    if (bid == INT_MAX) break;
+    if (lane == 0) out[n] = bid;
+    ++n;
+    prev_s = bs;
+    prev_id = bid;
+  }
+  for (int64_t b = local_begin + lane; b < nvis; b += 32) out[n + (b - local_begin)] = int32_t(b);
+  n += int(nvis - local_begin);
+  for (int s = n + lane; s < a.topk; s += 32) out[s] = -1;
+}
+
+template <bool QFp8, bool KFp8>
+void launch_scores(const ScoreArgs& a, unsigned tiles, unsigned page_runs, cudaStream_t stream) {
+  constexpr int smem = 1024 + kPageSize * kHeadDim * 2 + kMaxVectors * kHeadDim * 2;
+  static bool configured = false;
+  if (!configured) {
+    MSA_CUDA_CHECK(cudaFuncSetAttribute(index_scores_kernel<QFp8, KFp8>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    configured = true;
+  }
+  index_scores_kernel<QFp8, KFp8><<<dim3(tiles, page_runs), kThreads, smem, stream>>>(a);
+  MSA_CUDA_CHECK_LAUNCH("index_scores_kernel");
+}
+
+}  // namespace
+
+void paged_indexer(const InferencePlan& plan, const PagedIndexerParams& p, const RunOptions& opt) {
+  DeviceGuard guard(p.index_q.device.index);
+  const cudaStream_t stream = as_stream(opt);
+  const int64_t T = plan.total_q;
+  if (T == 0) return;
+  const int hi = plan.topo.num_index_heads;
+  const bool q_fp8 = p.index_q.dtype == DType::f8e4m3, k_fp8 = p.index_k_cache.dtype == DType::f8e4m3;
+  const int64_t pages = std::max<int64_t>(1, (plan.max_seqlen_k + kPageSize - 1) / kPageSize);
+  const TensorView scratch = plan.scratch_f32.view();
+  const int64_t chunk_rows = scratch.shape[0];
+  const int64_t score_stride = scratch.shape[1] / hi;
+  detail::require(chunk_rows > 0 && score_stride >= pages - 1,
+                  "paged_indexer: the plan's scratch does not fit this plan (build the plan on the CUDA device)");
+  const int64_t k_elem = k_fp8 ? 1 : 2;
+  detail::require(rows_aligned16(p.index_k_cache.data, k_elem, {p.index_k_cache.stride[0], p.index_k_cache.stride[1]}),
+                  "paged_indexer (CUDA): index_k_cache rows must start at 16-byte aligned addresses");
+
+  ScoreArgs sa{};
+  sa.q = static_cast<const uint8_t*>(p.index_q.data);
+  sa.q_s0 = p.index_q.stride[0];
+  sa.q_s1 = p.index_q.stride[1];
+  sa.k = static_cast<const uint8_t*>(p.index_k_cache.data);
+  sa.k_s0 = p.index_k_cache.stride[0];
+  sa.k_s1 = p.index_k_cache.stride[1];
+  sa.positions = static_cast<const int32_t*>(plan.positions.data());
+  sa.request = static_cast<const int32_t*>(plan.query_request.data());
+  sa.page_table = static_cast<const int32_t*>(plan.page_table.data());
+  sa.max_pages = plan.max_pages;
+  sa.hi = hi;
+  sa.topk = plan.topo.topk;
+  sa.scores = static_cast<float*>(plan.scratch_f32.data());
+  sa.score_stride = score_stride;
+
+  SelectArgs se{};
+  se.scores = sa.scores;
+  se.score_stride = score_stride;
+  se.positions = sa.positions;
+  se.total_q = T;
+  se.hi = hi;
+  se.topk = plan.topo.topk;
+  se.init_blocks = plan.topo.init_blocks;
+  se.local_blocks = plan.topo.local_blocks;
+  se.out = p.topk.as<int32_t>();
+
+  const unsigned page_runs = unsigned(ceil_div(std::max<int64_t>(1, pages - 1), kPagesPerCta));
+  for (int64_t r0 = 0; r0 < T; r0 += chunk_rows) {
+    const int64_t r1 = std::min(T, r0 + chunk_rows);
+    sa.row_begin = se.row_begin = r0;
+    sa.row_end = se.row_end = r1;
+    if (pages - 1 > plan.topo.topk - 1) {  // some row may rank history pages
+      const unsigned tiles = unsigned(ceil_div(r1 - r0, kTileRows));
+      if (q_fp8 && k_fp8) launch_scores<true, true>(sa, tiles, page_runs, stream);
+      else if (q_fp8) launch_scores<true, false>(sa, tiles, page_runs, stream);
+      else if (k_fp8) launch_scores<false, true>(sa, tiles, page_runs, stream);
+      else launch_scores<false, false>(sa, tiles, page_runs, stream);
+    }
+    const int64_t items = (r1 - r0) * hi;
+    select_kernel<<<unsigned(ceil_div(items, kThreads / 32)), kThreads, 0, stream>>>(se);
+    MSA_CUDA_CHECK_LAUNCH("paged_indexer select_kernel");
+  }
+}
+
+}  // namespace msa::cuda

@@ -1,0 +1,164 @@
+// Device helpers shared by the CUDA inference kernels: FP8 E4M3 / NVFP4 (E2M1) conversions
+// with exactly the rounding of the CPU backend (src/cpu/inference/common.h, src/core/dtype.cpp),
+// small cp.async variants, and the host-side facts of a checked cache view.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend_inference.h"
+#include "cuda/common.cuh"
+
+namespace msa::cuda::inference {
+
+// E4M3 code -> fp32 (exact; 0x7f / 0xff are NaN).
+__device__ __forceinline__ float e4m3_to_f32(uint8_t code) {
+  const __half_raw h = __nv_cvt_fp8_to_halfraw(__nv_fp8_storage_t(code), __NV_E4M3);
+  return __half2float(__half(h));
+}
+
+// fp32 -> E4M3 code: round to nearest even, saturating at +-448; NaN -> 0x7f (as the CPU).
+__device__ __forceinline__ uint8_t f32_to_e4m3(float x) {
+  if (isnan(x)) return 0x7f;
+  return uint8_t(__nv_cvt_float_to_fp8(x, __NV_SATFINITE, __NV_E4M3));
+}
+
+// E2M1 magnitudes by the low three bits of a code; bit 3 is the sign.
+__device__ __forceinline__ float e2m1_to_f32(uint32_t code) {
+  const uint32_t m = code & 7u;
+  // 0, 0.5, 1, 1.5, 2, 3, 4, 6
+  const float mag = m < 4u ? 0.5f * float(m) : float(1u << (((m - 4u) >> 1) + 1u)) * (m & 1u ? 1.5f : 1.0f);
+  return (code & 8u) ? -mag : mag;
+}
+
+// Nearest E2M1 code of v, ties to the even code, magnitudes above 6 clamp to 6, NaN -> 0
+// (the CPU's float_to_e2m1).
+__device__ __forceinline__ uint32_t f32_to_e2m1(float v) {
+  const float m = fabsf(v);
+  if (!(m >= 0.0f)) return 0u;
+  uint32_t c;
+  if (m <= 0.25f) c = 0;
+  else if (m < 0.75f) c = 1;
+  else if (m <= 1.25f) c = 2;
+  else if (m < 1.75f) c = 3;
+  else if (m <= 2.5f) c = 4;
+  else if (m < 3.5f) c = 5;
+  else if (m <= 5.0f) c = 6;
+  else c = 7;
+  if (c == 0) return 0u;
+  return (signbit(v) ? 8u : 0u) | c;
+}
+
+// NVFP4 element: E4M3(e2m1 * block scale) (the product is exact in fp32).
+__device__ __forceinline__ uint8_t nvfp4_to_e4m3(uint32_t code, float block_scale) {
+  return f32_to_e4m3(e2m1_to_f32(code) * block_scale);
+}
+
+__device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
+  const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// 8-byte asynchronous global -> shared copy (zero-filled when src_bytes = 0).
+__device__ __forceinline__ void cp_async8(uint32_t dst, const void* src, int src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
+// Host side: whether a pointer and element strides keep every row start 16-byte aligned.
+inline bool rows_aligned16(const void* p, int64_t elem_bytes, std::initializer_list<int64_t> strides) {
+  if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  for (int64_t s : strides)
+    if ((s * elem_bytes) % 16 != 0) return false;
+  return true;
+}
+
+// The per-tensor scale of a cache side as a device pointer (nullptr: 1) and the per-(head,
+// token) scale pointer / head stride (nullptr: none).
+struct KvSideScales {
+  const float* tensor = nullptr;
+  const float* token = nullptr;
+  int64_t token_stride = 0;
+};
+inline KvSideScales side_scales(const PagedKvCache& c, bool value_side) {
+  KvSideScales s;
+  const TensorView& t = value_side ? c.v_scale : c.k_scale;
+  switch (kv_scale_mode(c)) {
+    case KvScaleMode::none: break;
+    case KvScaleMode::per_tensor: s.tensor = t.as<const float>(); break;
+    case KvScaleMode::per_head_token:
+      s.token = t.as<const float>();
+      s.token_stride = t.stride[0];
+      break;
+  }
+  return s;
+}
+
+// fp32 inverse frequencies of the rotary embedding, computed on the host exactly like the CPU
+// backend (double pow, rounded once) and passed to kernels by value.
+struct RopeTable {
+  float inv_freq[kHeadDim / 2];
+};
+
+// Loads the 4 elements lane * 4 .. lane * 4 + 3 of a bf16 row (2-byte aligned reads only).
+__device__ __forceinline__ void load_row4(const __nv_bfloat16* row, int lane, float (&x)[4]) {
+  const uint16_t* p = reinterpret_cast<const uint16_t*>(row) + lane * 4;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) x[i] = __uint_as_float(uint32_t(p[i]) << 16);
+}
+
+// 1 + w for the 4 elements of this lane of a [128] bf16 or f32 Gemma weight.
+__device__ __forceinline__ void load_weight4(const void* w, bool w_f32, int lane, float (&w1p)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int d = lane * 4 + i;
+    const float v = w_f32 ? static_cast<const float*>(w)[d]
+                          : __uint_as_float(uint32_t(static_cast<const uint16_t*>(w)[d]) << 16);
+    w1p[i] = v + 1.0f;
+  }
+}
+
+__device__ __forceinline__ float round_bf16(float v) { return __bfloat162float(__float2bfloat16_rn(v)); }
+
+// Gemma RMSNorm + partial NeoX RoPE of one 128-row held by a warp (4 elements a lane), in the
+// operation order of the CPU's norm_rope_row: y = bf16(x * inv_rms * (1 + w)), then the rotation
+// y1 c - y2 s / y2 c + y1 s rounded to bf16 (products rounded separately, no FMA). `row` is
+// the warp's 128-float shared-memory work space. The sum of squares is a warp reduction, so
+// it may differ from the CPU's sequential sum in the last bit.
+__device__ __forceinline__ void norm_rope_warp(float (&x)[4], const float (&w1p)[4], const RopeTable& rope,
+                                               int rotary_dim, float eps, int32_t position, float* row, int lane) {
+  float ss = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) ss = __fadd_rn(ss, __fmul_rn(x[i], x[i]));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  const float inv_rms = 1.0f / sqrtf(ss / float(kHeadDim) + eps);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) x[i] = round_bf16(__fmul_rn(__fmul_rn(x[i], inv_rms), w1p[i]));
+  if (rotary_dim == 0) return;
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < 4; ++i) row[lane * 4 + i] = x[i];
+  __syncwarp();
+  const int half = rotary_dim / 2;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int d = lane * 4 + i;
+    if (d >= rotary_dim) continue;
+    const int j = d < half ? d : d - half;
+    const float angle = __fmul_rn(float(position), rope.inv_freq[j]);
+    float s, c;
+    sincosf(angle, &s, &c);
+    const float x1 = row[j], x2 = row[j + half];
+    x[i] = d < half ? round_bf16(__fsub_rn(__fmul_rn(x1, c), __fmul_rn(x2, s)))
+                    : round_bf16(__fadd_rn(__fmul_rn(x2, c), __fmul_rn(x1, s)));
+  }
+  __syncwarp();
+}
+
+// The rope table of a config, computed like the CPU's rope_inv_freq.
+RopeTable rope_table(const NormRopeConfig& c);
+
+}  // namespace msa::cuda::inference

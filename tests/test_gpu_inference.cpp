@@ -1,0 +1,571 @@
+// The inference operations on the GPU against the CPU backend on the same inputs: norm + RoPE,
+// cache insertion in every format, NVFP4 -> FP8, the paged indexer (equal selections, or
+// near-ties checked against the float64 oracle), paged prefill / decode attention over every
+// cache format (relative L2 and LSE within spec §7), strided cache views, CUDA-graph capture
+// and replay of a decode step, and bitwise repeatability.
+#include "inference_support.h"
+#include "test_gpu_support.h"
+
+#if MSA_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace msa::test {
+namespace {
+
+const Topology kSmall = Topology::minimax_m3(4);  // Hq 16, Hkv 1, Hi 1
+
+InferencePlan gpu_plan(const PagedCase& c, int splits = 0) {
+  const HostTensor sl = int_tensor(c.seq_lens, {int64_t(c.seq_lens.size())});
+  const HostTensor pt = int_tensor(c.page_table, {int64_t(c.seq_lens.size()), c.max_pages});
+  InferencePlanOptions o;
+  o.num_kv_splits = splits;
+  o.device = kGpu;
+  if (c.phase == InferencePhase::decode) {
+    DecodeMetadata m;
+    m.seq_lens = sl.view();
+    m.page_table = pt.view();
+    m.q_len_per_req = c.q_len_per_req;
+    return plan_decode(c.topo, m, o);
+  }
+  const HostTensor cu = int_tensor(c.cu_seqlens_q, {int64_t(c.cu_seqlens_q.size())});
+  PagedPrefillMetadata m;
+  m.cu_seqlens_q = cu.view();
+  m.seq_lens = sl.view();
+  m.page_table = pt.view();
+  return plan_paged_prefill(c.topo, m, o);
+}
+
+// Device copies of a case's caches and inputs.
+struct DeviceCase {
+  DeviceTensor k, v, k_sf, v_sf, k_scale, v_scale, index_k_cache, q, index_q;
+  KvFormat format = KvFormat::bf16;
+  explicit DeviceCase(const PagedCase& c)
+      : k(c.k), v(c.v), index_k_cache(c.index_k_cache), q(c.q), index_q(c.index_q), format(c.format) {
+    if (c.format == KvFormat::nvfp4) {
+      k_sf = DeviceTensor(c.k_sf);
+      v_sf = DeviceTensor(c.v_sf);
+    }
+    if (c.k_scale.numel()) {
+      k_scale = DeviceTensor(c.k_scale);
+      v_scale = DeviceTensor(c.v_scale);
+    }
+  }
+  PagedKvCache cache() const {
+    PagedKvCache kv;
+    kv.format = format;
+    kv.k = k.view();
+    kv.v = v.view();
+    if (format == KvFormat::nvfp4) {
+      kv.k_block_scale = k_sf.view();
+      kv.v_block_scale = v_sf.view();
+    }
+    if (k_scale.view().data) {
+      kv.k_scale = k_scale.view();
+      kv.v_scale = v_scale.view();
+    }
+    return kv;
+  }
+};
+
+struct GpuOutputs {
+  DeviceTensor topk, out, lse;
+  GpuOutputs(const PagedCase& c, DType out_dtype)
+      : topk(DType::i32, {c.topo.num_index_heads, c.total_q(), 16}),
+        out(out_dtype, {c.total_q(), c.topo.num_q_heads, 128}),
+        lse(DType::f32, {c.total_q(), c.topo.num_q_heads}) {
+    topk.poison();
+    out.poison();
+    lse.poison();
+  }
+  PagedOutputs host() const { return {topk.host(), out.host(), lse.host()}; }
+};
+
+// GPU indexer only.
+HostTensor gpu_indexer(const PagedCase& c, const DeviceCase& d, const InferencePlan& plan) {
+  DeviceTensor topk(DType::i32, {c.topo.num_index_heads, c.total_q(), 16});
+  topk.poison();
+  PagedIndexerParams p;
+  p.index_q = d.index_q.view();
+  p.index_k_cache = d.index_k_cache.view();
+  p.topk = topk.view();
+  paged_indexer(plan, p);
+  return topk.host();
+}
+
+// GPU attention with a given (host) selection.
+PagedOutputs gpu_attention(const PagedCase& c, const DeviceCase& d, const InferencePlan& plan, const HostTensor& topk,
+                           DType out_dtype, const PagedKvCache* cache = nullptr) {
+  GpuOutputs o(c, out_dtype);
+  o.topk.upload(topk);
+  PagedAttentionParams p;
+  p.q = d.q.view();
+  p.kv = cache ? *cache : d.cache();
+  p.topk = o.topk.view();
+  p.out = o.out.view();
+  p.lse = o.lse.view();
+  paged_attention(plan, p);
+  return o.host();
+}
+
+// CPU attention with a given selection.
+PagedOutputs cpu_attention(const PagedCase& c, const HostTensor& topk, int splits, DType out_dtype) {
+  const InferencePlan plan = c.plan(splits);
+  PagedOutputs o = make_outputs(c, out_dtype);
+  PagedAttentionParams p = attention_params(c, o);
+  p.topk = topk.view();
+  paged_attention(plan, p);
+  return o;
+}
+
+HostTensor cpu_indexer(const PagedCase& c) {
+  const InferencePlan plan = c.plan();
+  PagedOutputs o = make_outputs(c);
+  paged_indexer(plan, indexer_params(c, o));
+  return o.topk;
+}
+
+// Rows of topk [Hi, T, 16] that differ; near-ties are then judged by check_paged_selection.
+int64_t rows_differing(const HostTensor& a, const HostTensor& b) {
+  const auto x = a.ints(), y = b.ints();
+  int64_t n = 0;
+  for (size_t r = 0; r < x.size() / 16; ++r)
+    n += !std::equal(x.begin() + long(r * 16), x.begin() + long(r * 16 + 16), y.begin() + long(r * 16));
+  return n;
+}
+
+void expect_selection_matches_cpu(const PagedCase& c, const HostTensor& gpu, const HostTensor& cpu) {
+  for (int32_t id : gpu.ints()) ASSERT_NE(id, kIntPoison) << "topk element not written";
+  const int64_t differing = rows_differing(gpu, cpu);
+  ::testing::Test::RecordProperty("topk_rows_differing", std::to_string(differing));
+  if (differing > 0) check_paged_selection(c, gpu);  // differences must be near-ties
+  EXPECT_LE(differing, std::max<int64_t>(2, c.total_q() * c.topo.num_index_heads / 100))
+      << "too many selection rows differ from the CPU";
+}
+
+// GPU attention outputs against the CPU backend's: relative L2 (spec §7: 1e-2), LSE within
+// 1e-3, rows without keys exactly 0 / -inf, nothing unwritten.
+void expect_attention_matches_cpu(const PagedOutputs& gpu, const PagedOutputs& cpu, double l2 = 1e-2) {
+  const auto go = gpu.out.floats(), co = cpu.out.floats(), gl = gpu.lse.floats(), cl = cpu.lse.floats();
+  ASSERT_EQ(count_nan(go), 0) << "GPU out holds NaN (unwritten element or a dead cache slot was read)";
+  ASSERT_EQ(count_nan(gl), 0) << "GPU lse holds NaN";
+  std::vector<float> og, lg;
+  std::vector<double> ow, lw;
+  int64_t empty_mismatch = 0;
+  for (size_t rh = 0; rh < cl.size(); ++rh) {
+    if (std::isinf(cl[rh])) {
+      bool zero = std::isinf(gl[rh]) && gl[rh] < 0;
+      for (int d = 0; d < 128; ++d) zero &= go[rh * 128 + size_t(d)] == 0.0f;
+      empty_mismatch += !zero;
+      continue;
+    }
+    lg.push_back(gl[rh]);
+    lw.push_back(cl[rh]);
+    for (int d = 0; d < 128; ++d) {
+      og.push_back(go[rh * 128 + size_t(d)]);
+      ow.push_back(co[rh * 128 + size_t(d)]);
+    }
+  }
+  EXPECT_EQ(empty_mismatch, 0) << "(row, head) pairs without keys must give out 0 and lse -inf";
+  if (!ow.empty()) {
+    expect_rel_l2("out", og, ow, l2);
+    expect_close("lse", lg, lw, 1e-3, 1e-3);
+  }
+}
+
+CaseOptions format_options(const std::string& name) {
+  CaseOptions o;
+  if (name == "fp8") o.format = KvFormat::fp8_e4m3;
+  if (name == "fp8_token") {
+    o.format = KvFormat::fp8_e4m3;
+    o.per_token_scales = true;
+  }
+  if (name == "nvfp4") o.format = KvFormat::nvfp4;
+  if (name == "nvfp4_global") {
+    o.format = KvFormat::nvfp4;
+    o.global_scale = true;
+  }
+  return o;
+}
+
+const char* kFormats[] = {"bf16", "fp8", "fp8_token", "nvfp4", "nvfp4_global"};
+
+// ---------------------------------------------------------------------------------------
+
+// Elements of two bf16 tensors that differ, and whether every difference is one bf16 step.
+void expect_bf16_within_one_step(const HostTensor& got, const HostTensor& want, double max_fraction) {
+  const auto* g = got.data<uint16_t>();
+  const auto* w = want.data<uint16_t>();
+  int64_t differ = 0, far = 0;
+  for (int64_t e = 0; e < got.numel(); ++e) {
+    if (g[e] == w[e]) continue;
+    ++differ;
+    if (std::abs(int(g[e]) - int(w[e])) > 1) ++far;
+  }
+  EXPECT_EQ(far, 0) << far << " elements differ by more than one bf16 step";
+  EXPECT_LE(double(differ), max_fraction * double(got.numel()))
+      << differ << " of " << got.numel() << " elements differ by one bf16 step (sum-of-squares order, sin/cos)";
+}
+
+TEST(GpuInference, NormRopeMatchesCpu) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  const int64_t T = 37, H = 5;
+  std::vector<int32_t> pos(T);
+  std::uniform_int_distribution<int32_t> pick(0, 1 << 20);
+  for (auto& p : pos) p = pick(rng);
+  const HostTensor positions = int_tensor(pos, {T});
+  for (DType wdt : {DType::bf16, DType::f32})
+    for (int rotary : {0, 64, 128}) {
+      SCOPED_TRACE("rotary_dim " + std::to_string(rotary) + (wdt == DType::f32 ? " f32 weight" : " bf16 weight"));
+      const HostTensor x = random_tensor(rng, {T, H, 128}, 1.5f);
+      const HostTensor w = random_tensor(rng, {128}, 0.3f, wdt);
+      RmsNormRopeParams p;
+      p.config.rotary_dim = rotary;
+      HostTensor want(DType::bf16, {T, H, 128});
+      p.x = x.view();
+      p.weight = w.view();
+      p.positions = positions.view();
+      p.out = want.view();
+      rms_norm_rope(p);
+      DeviceTensor dx(x), dw(w), dpos(positions), dout(DType::bf16, {T, H, 128});
+      dout.poison();
+      p.x = dx.view();
+      p.weight = dw.view();
+      p.positions = dpos.view();
+      p.out = dout.view();
+      rms_norm_rope(p);
+      expect_bf16_within_one_step(dout.host(), want, 0.02);
+      p.out = dx.view();  // in place
+      rms_norm_rope(p);
+      EXPECT_TRUE(bitwise_equal(dx.host(), dout.host())) << "in-place result differs from the out-of-place one";
+    }
+}
+
+// insert_kv on both backends from the same initial caches; codes compared byte by byte.
+void check_insert(const std::string& format, DType index_dtype, bool norm) {
+  SCOPED_TRACE("format " + format + (index_dtype == DType::f8e4m3 ? " fp8 index" : " bf16 index") + (norm ? " norm" : ""));
+  MSA_SEEDED_RNG(rng);
+  CaseOptions o = format_options(format);
+  o.index_dtype = index_dtype;
+  PagedCase c = make_decode_case(rng, kSmall, {300, 130}, 1, o);
+  const int64_t P = c.physical_pages, T = 50;
+  // Token t goes to a random distinct slot; every 7th token is skipped (-1).
+  std::vector<int32_t> slots(size_t(P * 128));
+  std::iota(slots.begin(), slots.end(), 0);
+  std::shuffle(slots.begin(), slots.end(), rng);
+  slots.resize(T);
+  for (int64_t t = 0; t < T; t += 7) slots[size_t(t)] = -1;
+  std::vector<int32_t> pos(T);
+  for (int64_t t = 0; t < T; ++t) pos[size_t(t)] = int32_t(t * 977);
+  const HostTensor slot_t = int_tensor(slots, {T}), pos_t = int_tensor(pos, {T});
+  const HostTensor k = random_tensor(rng, {T, 1, 128}, 2.0f), v = random_tensor(rng, {T, 1, 128}, 0.7f),
+                   ik = random_tensor(rng, {T, 1, 128}, 0.5f);
+  const HostTensor kn = random_tensor(rng, {128}, 0.2f), ikn = random_tensor(rng, {128}, 0.2f, DType::f32);
+
+  DeviceCase d(c);
+  KvInsertParams p;
+  p.k = k.view();
+  p.v = v.view();
+  p.index_k = ik.view();
+  p.slot_mapping = slot_t.view();
+  p.cache = c.cache();
+  p.index_k_cache = c.index_k_cache.view();
+  p.positions = pos_t.view();
+  if (norm) {
+    p.k_norm = kn.view();
+    p.index_k_norm = ikn.view();
+  }
+  insert_kv(p);
+  DeviceTensor dk(k), dv(v), dik(ik), dslot(slot_t), dpos(pos_t), dkn(kn), dikn(ikn);
+  p.k = dk.view();
+  p.v = dv.view();
+  p.index_k = dik.view();
+  p.slot_mapping = dslot.view();
+  p.cache = d.cache();
+  p.index_k_cache = d.index_k_cache.view();
+  p.positions = dpos.view();
+  if (norm) {
+    p.k_norm = dkn.view();
+    p.index_k_norm = dikn.view();
+  }
+  insert_kv(p);
+
+  // Byte comparison of every cache tensor; with norm + RoPE a few rows may differ where the
+  // normalised bf16 value differs by one step (reduction order, sin / cos).
+  const auto compare = [&](const char* name, const HostTensor& got, const HostTensor& want) {
+    const std::vector<unsigned char> g = got.raw(), w = want.raw();
+    ASSERT_EQ(g.size(), w.size());
+    int64_t differ = 0, first = -1;
+    for (size_t i = 0; i < g.size(); ++i)
+      if (g[i] != w[i]) {
+        ++differ;
+        if (first < 0) first = int64_t(i);
+      }
+    if (!norm) {
+      EXPECT_EQ(differ, 0) << name << ": " << differ << " bytes differ, first at byte " << first;
+    } else {
+      EXPECT_LE(double(differ), 0.02 * double(T * 128 * 2)) << name << ": " << differ << " bytes differ";
+    }
+  };
+  compare("k cache", d.k.host(), c.k);
+  compare("v cache", d.v.host(), c.v);
+  compare("index-k cache", d.index_k_cache.host(), c.index_k_cache);
+  if (c.format == KvFormat::nvfp4) {
+    compare("k block scales", d.k_sf.host(), c.k_sf);
+    compare("v block scales", d.v_sf.host(), c.v_sf);
+  }
+  if (c.k_scale.numel()) {
+    compare("k scales", d.k_scale.host(), c.k_scale);
+    compare("v scales", d.v_scale.host(), c.v_scale);
+  }
+}
+
+TEST(GpuInference, InsertKvMatchesCpuBitwise) {
+  MSA_REQUIRE_GPU();
+  for (const char* f : kFormats)
+    for (DType idt : {DType::bf16, DType::f8e4m3}) check_insert(f, idt, false);
+}
+
+TEST(GpuInference, InsertKvWithNormRopeMatchesCpu) {
+  MSA_REQUIRE_GPU();
+  for (const char* f : kFormats) check_insert(f, DType::bf16, true);
+  check_insert("fp8", DType::f8e4m3, true);
+}
+
+TEST(GpuInference, Nvfp4ToFp8Bitwise) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  PagedCase c = make_decode_case(rng, Topology::minimax_m3(2), {700, 200}, 1, format_options("nvfp4"));
+  const int64_t P = c.physical_pages, Hkv = 2;
+  DeviceTensor packed(c.k), sf(c.k_sf);
+  // Whole cache.
+  HostTensor want(DType::f8e4m3, {P, Hkv, 128, 128});
+  std::fill(want.data<uint8_t>(), want.data<uint8_t>() + want.numel(), uint8_t(0x55));
+  DeviceTensor got(want);
+  Nvfp4ToFp8Params p;
+  p.packed = c.k.view();
+  p.block_scale = c.k_sf.view();
+  p.out = want.view();
+  nvfp4_to_fp8(p);
+  p.packed = packed.view();
+  p.block_scale = sf.view();
+  p.out = got.view();
+  nvfp4_to_fp8(p);
+  EXPECT_TRUE(bitwise_equal(got.host(), want)) << "whole-cache conversion differs from the CPU";
+  // Selected pages, -1 skipped, ids on the host and on the device.
+  std::vector<int32_t> ids = {int32_t(P - 1), -1, 0, 3, -1, 2};
+  const HostTensor id_t = int_tensor(ids, {int64_t(ids.size())});
+  HostTensor want2(DType::f8e4m3, {int64_t(ids.size()), Hkv, 128, 128});
+  std::fill(want2.data<uint8_t>(), want2.data<uint8_t>() + want2.numel(), uint8_t(0x33));
+  DeviceTensor got_host_ids(want2), got_dev_ids(want2), did(id_t);
+  p.packed = c.k.view();
+  p.block_scale = c.k_sf.view();
+  p.page_ids = id_t.view();
+  p.out = want2.view();
+  nvfp4_to_fp8(p);
+  p.packed = packed.view();
+  p.block_scale = sf.view();
+  p.out = got_host_ids.view();
+  nvfp4_to_fp8(p);
+  p.page_ids = did.view();
+  p.out = got_dev_ids.view();
+  nvfp4_to_fp8(p);
+  EXPECT_TRUE(bitwise_equal(got_host_ids.host(), want2)) << "page_ids (host) conversion differs from the CPU";
+  EXPECT_TRUE(bitwise_equal(got_dev_ids.host(), want2)) << "page_ids (device) conversion differs from the CPU";
+}
+
+TEST(GpuInference, IndexerMatchesCpu) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  for (DType idt : {DType::bf16, DType::f8e4m3}) {
+    CaseOptions o;
+    o.index_dtype = idt;
+    SCOPED_TRACE(idt == DType::f8e4m3 ? "fp8 index" : "bf16 index");
+    for (int Q : {1, 3, 8, 16}) {
+      SCOPED_TRACE("decode Q " + std::to_string(Q));
+      const PagedCase c = make_decode_case(rng, Topology::minimax_m3(), {5000, 0, 2100, 16, 130, 9000}, Q, o);
+      DeviceCase d(c);
+      expect_selection_matches_cpu(c, gpu_indexer(c, d, gpu_plan(c)), cpu_indexer(c));
+    }
+    const PagedCase c = make_prefill_case(rng, Topology::minimax_m3(2), {2500, 0, 100}, {300, 2100, 45}, o);
+    DeviceCase d(c);
+    SCOPED_TRACE("prefill");
+    expect_selection_matches_cpu(c, gpu_indexer(c, d, gpu_plan(c)), cpu_indexer(c));
+  }
+  // Other init / local settings.
+  Topology t = kSmall;
+  t.init_blocks = 2;
+  t.local_blocks = 3;
+  const PagedCase c = make_decode_case(rng, t, {4000, 2300, 20}, 4);
+  DeviceCase d(c);
+  SCOPED_TRACE("init 2, local 3");
+  expect_selection_matches_cpu(c, gpu_indexer(c, d, gpu_plan(c)), cpu_indexer(c));
+}
+
+TEST(GpuInference, DecodeAttentionMatchesCpuEveryFormat) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  for (const char* f : kFormats)
+    for (int Q : {1, 4, 8, 16}) {
+      SCOPED_TRACE(std::string("format ") + f + ", Q " + std::to_string(Q));
+      const PagedCase c = make_decode_case(rng, Topology::minimax_m3(2), {2400, 0, 16, 300, 129}, Q, format_options(f));
+      const HostTensor topk = cpu_indexer(c);
+      DeviceCase d(c);
+      for (int splits : {1, 4, 16}) {
+        SCOPED_TRACE("splits " + std::to_string(splits));
+        const DType out_dtype = splits == 4 ? DType::f32 : DType::bf16;
+        expect_attention_matches_cpu(gpu_attention(c, d, gpu_plan(c, splits), topk, out_dtype),
+                                     cpu_attention(c, topk, splits, out_dtype));
+      }
+    }
+}
+
+TEST(GpuInference, PagedForwardAgainstOracle) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  const PagedCase c = make_decode_case(rng, kSmall, {1, 130, 2400, 0, 128, 129, 0}, 1);
+  DeviceCase d(c);
+  const InferencePlan plan = gpu_plan(c, 2);
+  GpuOutputs o(c, DType::bf16);
+  PagedIndexerParams ip;
+  ip.index_q = d.index_q.view();
+  ip.index_k_cache = d.index_k_cache.view();
+  ip.topk = o.topk.view();
+  PagedAttentionParams ap;
+  ap.q = d.q.view();
+  ap.kv = d.cache();
+  ap.out = o.out.view();
+  ap.lse = o.lse.view();
+  paged_forward(plan, ip, ap);
+  const PagedOutputs h = o.host();
+  check_paged_selection(c, h.topk);
+  check_paged_attention(c, h);
+}
+
+TEST(GpuInference, PrefillAttentionMatchesCpu) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  for (const char* f : {"bf16", "fp8_token", "nvfp4_global"}) {
+    SCOPED_TRACE(std::string("format ") + f);
+    // Cached prefixes of 0..2500 tokens, chunks of 1..700 rows, shuffled page tables.
+    const PagedCase c = make_prefill_case(rng, Topology::minimax_m3(2), {2500, 0, 100, 1200}, {300, 700, 45, 1}, format_options(f));
+    const HostTensor topk = cpu_indexer(c);
+    DeviceCase d(c);
+    for (DType out_dtype : {DType::bf16, DType::f32})
+      expect_attention_matches_cpu(gpu_attention(c, d, gpu_plan(c), topk, out_dtype), cpu_attention(c, topk, 1, out_dtype));
+  }
+}
+
+TEST(GpuInference, StridedCombinedKvCache) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  for (const char* f : {"bf16", "fp8"}) {
+    SCOPED_TRACE(std::string("format ") + f);
+    const PagedCase c = make_decode_case(rng, Topology::minimax_m3(2), {2300, 140, 0}, 4, format_options(f));
+    const HostTensor topk = cpu_indexer(c);
+    const PagedOutputs want = cpu_attention(c, topk, 2, DType::f32);
+    // K and V as the halves of one [P, Hkv, 128, 256] cache.
+    const int64_t P = c.physical_pages, Hkv = 2, es = c.k.dtype() == DType::bf16 ? 2 : 1;
+    HostTensor combined(c.k.dtype(), {P, Hkv, 128, 256});
+    for (int64_t row = 0; row < P * Hkv * 128; ++row) {
+      std::memcpy(combined.data<uint8_t>() + row * 256 * es, c.k.data<uint8_t>() + row * 128 * es, size_t(128 * es));
+      std::memcpy(combined.data<uint8_t>() + (row * 256 + 128) * es, c.v.data<uint8_t>() + row * 128 * es, size_t(128 * es));
+    }
+    DeviceCase d(c);
+    DeviceTensor dc(combined);
+    PagedKvCache kv = d.cache();
+    const TensorView all = dc.view();
+    kv.k = TensorView::strided(all.data, all.dtype, {P, Hkv, 128, 128}, {Hkv * 128 * 256, 128 * 256, 256, 1}, all.device);
+    kv.v = TensorView::strided(static_cast<uint8_t*>(all.data) + 128 * es, all.dtype, {P, Hkv, 128, 128},
+                               {Hkv * 128 * 256, 128 * 256, 256, 1}, all.device);
+    expect_attention_matches_cpu(gpu_attention(c, d, gpu_plan(c, 2), topk, DType::f32, &kv), want);
+  }
+}
+
+#if MSA_WITH_CUDA
+#define CHECK_CUDA(call) ASSERT_EQ((call), cudaSuccess) << #call
+
+TEST(GpuInference, DecodeStepGraphReplayWithNewContents) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  PagedCase c = make_decode_case(rng, Topology::minimax_m3(), {3000, 0, 700, 140}, 8, format_options("fp8"));
+  DeviceCase d(c);
+  const InferencePlan plan = gpu_plan(c, 2);
+  GpuOutputs o(c, DType::bf16);
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  RunOptions opt;
+  opt.stream = stream;
+  PagedIndexerParams ip;
+  ip.index_q = d.index_q.view();
+  ip.index_k_cache = d.index_k_cache.view();
+  ip.topk = o.topk.view();
+  PagedAttentionParams ap;
+  ap.q = d.q.view();
+  ap.kv = d.cache();
+  ap.out = o.out.view();
+  ap.lse = o.lse.view();
+  paged_forward(plan, ip, ap, opt);  // warm-up outside the capture (kernel attributes)
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  cudaGraph_t graph;
+  CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  paged_forward(plan, ip, ap, opt);
+  CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  for (int step = 0; step < 2; ++step) {
+    SCOPED_TRACE("replay " + std::to_string(step));
+    c.q = random_tensor(rng, {c.total_q(), c.topo.num_q_heads, 128});
+    c.index_q = random_tensor(rng, {c.total_q(), c.topo.num_index_heads, 128}, 0.2f);
+    d.q.upload(c.q);
+    d.index_q.upload(c.index_q);
+    o.out.poison();
+    o.lse.poison();
+    o.topk.poison();
+    synchronize(kGpu);
+    CHECK_CUDA(cudaGraphLaunch(exec, stream));
+    CHECK_CUDA(cudaStreamSynchronize(stream));
+    const PagedOutputs got = o.host();
+    const HostTensor topk = cpu_indexer(c);
+    expect_selection_matches_cpu(c, got.topk, topk);
+    expect_attention_matches_cpu(got, cpu_attention(c, got.topk, 2, DType::bf16));
+  }
+  CHECK_CUDA(cudaGraphExecDestroy(exec));
+  CHECK_CUDA(cudaGraphDestroy(graph));
+  CHECK_CUDA(cudaStreamDestroy(stream));
+}
+#endif
+
+TEST(GpuInference, DecodeIsBitwiseRepeatable) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  const PagedCase c = make_decode_case(rng, Topology::minimax_m3(), {5000, 300, 2000, 0}, 8, format_options("nvfp4_global"));
+  DeviceCase d(c);
+  const InferencePlan plan = gpu_plan(c, 4);
+  PagedOutputs first;
+  for (int rep = 0; rep < 10; ++rep) {
+    GpuOutputs o(c, DType::bf16);
+    PagedIndexerParams ip;
+    ip.index_q = d.index_q.view();
+    ip.index_k_cache = d.index_k_cache.view();
+    ip.topk = o.topk.view();
+    PagedAttentionParams ap;
+    ap.q = d.q.view();
+    ap.kv = d.cache();
+    ap.out = o.out.view();
+    ap.lse = o.lse.view();
+    paged_forward(plan, ip, ap);
+    PagedOutputs h = o.host();
+    if (rep == 0) {
+      first = std::move(h);
+      continue;
+    }
+    EXPECT_TRUE(bitwise_equal(h.topk, first.topk)) << "repeat " << rep << ": topk differs";
+    EXPECT_TRUE(bitwise_equal(h.out, first.out)) << "repeat " << rep << ": out differs";
+    EXPECT_TRUE(bitwise_equal(h.lse, first.lse)) << "repeat " << rep << ": lse differs";
+  }
+}
+
+}  // namespace
+}  // namespace msa::test
