@@ -3,7 +3,8 @@
 #   1. configures and builds msa with the CUDA backend (Ninja, CMAKE_CUDA_ARCHITECTURES=90a);
 #   2. runs the GPU tests (GoogleTest filter Gpu*);
 #   3. runs compute-sanitizer memcheck on small GPU cases;
-#   4. runs the GPU benchmark (bench/gpu_bench.cpp) at 4k..128k tokens;
+#   4. runs the GPU benchmark (bench/gpu_bench.cpp) at 4k..128k tokens, the decode benchmark
+#      (msa bench --decode) and msa demo;
 #   5. with MSA_PYTHON=1: builds the Python package with its CUDA backend, runs the Python
 #      tests (GPU ones included) and bench/peers.py at MSA_PEERS_TOKENS (default 4096,16384).
 # Logs go to OUTDIR; a short summary table is printed last.
@@ -17,6 +18,7 @@
 #   MSA_BENCH_TOKENS   comma-separated token counts (default 4096,...,131072; "none" skips)
 #   MSA_BENCH_REPS     timed repetitions per op (default 10)
 #   MSA_SANITIZE       0 skips the memcheck step
+#   MSA_DECODE_BENCH   0 skips msa bench --decode and msa demo
 # Dependencies: CUDA toolkit, CMake >= 3.25, Ninja, GoogleTest (installed, or its sources in
 # .deps/googletest or /usr/src/googletest, built here), and the header-only nlohmann_json
 # and CLI11 (installed, or a prefix in .deps/prefix).
@@ -62,14 +64,15 @@ else
   cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMSA_ENABLE_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90a -DMSA_BUILD_PYTHON=OFF -DCMAKE_PREFIX_PATH="$PREFIXES" >> "$OUT/build.log" 2>&1 ||
     { note "FAIL: configure (see build.log)"; tail -30 "$OUT/build.log"; exit 1; }
-  note "building msa_tests and msa_gpu_bench with $JOBS jobs"
-  ninja -C "$BUILD" -j "$JOBS" msa_tests msa_gpu_bench >> "$OUT/build.log" 2>&1 ||
+  note "building msa_tests, msa_gpu_bench and msa with $JOBS jobs"
+  ninja -C "$BUILD" -j "$JOBS" msa_tests msa_gpu_bench msa_tool >> "$OUT/build.log" 2>&1 ||
     { note "FAIL: build (see build.log)"; grep -E "error|FAILED" "$OUT/build.log" | head -30; exit 1; }
   BIN=$BUILD
   note "built"
 fi
 TESTS="$BIN/tests/msa_tests"
 BENCH="$BIN/src/cuda/msa_gpu_bench"
+TOOL="$BIN/tools/msa/msa"
 
 # GPU tests (from the repository root, where tests/data lives).
 cd "$ROOT"
@@ -94,6 +97,12 @@ if [ "$TOKENS" != "none" ]; then
   timeout 300 "$BENCH" --tokens "$TOKENS" --reps "$REPS" --out "$OUT/bench.csv" > "$OUT/bench.log" 2>&1
   note "benchmark: rc $?"
 fi
+if [ "${MSA_DECODE_BENCH:-1}" != "0" ]; then
+  timeout 240 "$TOOL" bench --decode --backend cuda --json "$OUT/decode.json" > "$OUT/decode.log" 2>&1
+  note "decode benchmark: rc $?"
+  timeout 120 "$TOOL" demo > "$OUT/demo.log" 2>&1
+  note "msa demo: rc $?"
+fi
 # Python package on the GPU. The package is built with the system compiler: a toolchain
 # that links libstdc++ statically into shared objects gives a module that crashes in its
 # first std::ostringstream (seen with the GPU image's /opt/gcc).
@@ -115,4 +124,5 @@ echo
 cat "$SUMMARY"
 echo
 [ -f "$OUT/bench.log" ] && sed -n '/^ *tokens/,$p' "$OUT/bench.log"
+[ -f "$OUT/decode.log" ] && { echo; grep -v "^\[msa" "$OUT/decode.log" | tail -25; }
 exit $TEST_RC

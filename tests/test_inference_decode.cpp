@@ -97,10 +97,12 @@ TEST(InferenceDecode, MatchesPagedPrefillOfTheSameRows) {
 
 TEST(InferenceDecode, AutomaticSplitCount) {
   MSA_SEEDED_RNG(rng);
-  // 256 / (batch * Q * Hkv) rounded down to a power of two, clamped to [1, 16].
+  // 256 / (batch * Hkv) rounded down to a power of two, clamped to [1, 16].
   EXPECT_EQ(make_decode_case(rng, kSmall, {200}, 1).plan().num_kv_splits, 16);
-  EXPECT_EQ(make_decode_case(rng, Topology::minimax_m3(), {200, 8, 9}, 8).plan().num_kv_splits, 2);
-  EXPECT_EQ(make_decode_case(rng, Topology::minimax_m3(), {200, 8, 9, 10, 11, 12, 13, 14, 15}, 8).plan().num_kv_splits, 1);
+  EXPECT_EQ(make_decode_case(rng, Topology::minimax_m3(), {200, 8, 9}, 8).plan().num_kv_splits, 16);
+  EXPECT_EQ(make_decode_case(rng, Topology::minimax_m3(), {200, 8, 9, 10, 11, 12, 13, 14, 15}, 8).plan().num_kv_splits, 4);
+  std::vector<int32_t> many(40, 300);
+  EXPECT_EQ(make_decode_case(rng, Topology::minimax_m3(), many, 8).plan().num_kv_splits, 1);
   const InferencePlan plan = make_decode_case(rng, kSmall, {200, 300}, 3).plan(4);
   EXPECT_EQ(plan.num_kv_splits, 4);
   EXPECT_EQ(plan.partial_out.view().shape_vector(), (std::vector<int64_t>{4, 6, 16, 128}));

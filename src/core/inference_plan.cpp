@@ -206,10 +206,11 @@ InferencePlan plan_decode(const Topology& topo, const DecodeMetadata& meta, cons
   require(s.batch * Q <= INT32_MAX, concat("batch * q_len_per_req must fit in int32, got ", s.batch * Q));
   s.cu_q.resize(size_t(s.batch) + 1);
   for (int64_t b = 0; b <= s.batch; ++b) s.cu_q[size_t(b)] = int32_t(b * Q);
-  // Automatic split count: enough (query, KV head) work items to fill a GPU, at most 16.
+  // Automatic split count: enough (request, KV head, split) work items to fill a GPU (the CUDA
+  // kernel's unit of work: one request's Q rows share each page read), at most 16.
   int chosen = splits;
   if (chosen == 0) {
-    const int64_t items = s.batch * Q * topo.num_kv_heads;
+    const int64_t items = s.batch * topo.num_kv_heads;
     const int64_t want = std::clamp<int64_t>(256 / std::max<int64_t>(items, 1), 1, kTopk);
     chosen = 1;
     while (chosen * 2 <= want) chosen *= 2;
