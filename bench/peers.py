@@ -12,7 +12,8 @@ bf16) and both selection distributions of the architecture notes (§5):
   sdpa dense mask     SDPA with a dense boolean mask of the selection (the generic path)
 
 Timing: CUDA events, warm-up excluded, median of --repeats, inputs rotated so that the
-working set exceeds twice the L2 cache. FLOPs (FlashAttention convention): forward =
+working set exceeds twice the L2 cache. A peer's backward is timed alone, each call on a
+fresh forward graph (the forward runs untimed before it); compiled peers compile once. FLOPs (FlashAttention convention): forward =
 4 * Hq * 128 * visible (query, key) pairs, backward = 2.5 x forward. "useful" TFLOP/s divide
 the sparse pairs' FLOPs by each method's time; dense methods also report their own FLOPs.
 
@@ -85,6 +86,27 @@ def time_ms(fn, n_inputs, repeats, warmup=3):
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def time_ms_after(setup, fn, n_inputs, repeats, warmup=3):
+    """As time_ms, for fn(state) where state = setup(i) runs before each call, outside the
+    timing (a backward needs a fresh forward graph per call: compiled functions such as
+    FlexAttention's donate their saved buffers to the backward, so a graph cannot be
+    back-propagated twice, retain_graph or not)."""
+    for i in range(warmup):
+        fn(setup(i % n_inputs))
+    torch.cuda.synchronize()
+    times = []
+    for r in range(repeats):
+        state = setup(r % n_inputs)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(state)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+        state = None
     return statistics.median(times)
 
 
@@ -237,16 +259,15 @@ def run_case(t, coherent, args, gen):
         if not allow_bwd:
             return
 
-        def bwd_setup():
-            return [attn(p) for p in peer_sets]
+        def forward(i):  # a fresh autograd graph for every timed backward (untimed)
+            return i, attn(peer_sets[i])
 
-        def run():
-            outs = bwd_setup()
-            return time_ms(lambda i: torch.autograd.grad(outs[i], (peer_sets[i]["q"], peer_sets[i]["k"],
-                                                                   peer_sets[i]["v"]), peer_sets[i]["do"],
-                                                         retain_graph=True), n, args.repeats)
+        def backward(state):
+            i, out = state
+            p = peer_sets[i]
+            torch.autograd.grad(out, (p["q"], p["k"], p["v"]), p["do"])
 
-        bwd = try_run(f"{name} bwd", run)
+        bwd = try_run(f"{name} bwd", lambda: time_ms_after(forward, backward, n, args.repeats))
         if bwd is not None:
             record(name, "bwd", bwd, own_flops)
 

@@ -57,11 +57,41 @@ struct TensorView {
   template <typename T> T* as() const { return static_cast<T*>(data); }
 };
 
+// Where msa's CUDA memory comes from: plan buffers, the plan's workspace, temporary scratch
+// and Buffers on a CUDA device. Process-wide; by default cudaMalloc / cudaFree for buffers and
+// cudaMallocAsync / cudaFreeAsync for temporary scratch.
+//
+// A custom allocator (for example a framework's caching allocator, so that plans built during
+// CUDA-graph capture come from the graph's memory pool) must be stream-ordered:
+//   allocate(bytes, device, stream, context): `bytes` > 0 bytes on CUDA device `device`, to be
+//     used by work queued on `stream` (a cudaStream_t; null is the legacy default stream).
+//     Returns nullptr or throws when it cannot; an exception reaches msa's caller unchanged.
+//   deallocate(ptr, bytes, device, stream, context): gives back memory from `allocate` with
+//     the same bytes, device and stream. Work queued on `stream` before the call may still be
+//     using it: the allocator must not hand it out to other streams before that work is done
+//     (a stream-ordered allocator gives this). Must not throw.
+// Memory is always given back to the allocator that gave it, even after a later call to
+// set_device_allocator; `context` must stay valid as long as such memory lives.
+struct DeviceAllocator {
+  void* (*allocate)(int64_t bytes, int device, void* stream, void* context) = nullptr;
+  void (*deallocate)(void* ptr, int64_t bytes, int device, void* stream, void* context) = nullptr;
+  void* context = nullptr;
+  bool is_default() const { return allocate == nullptr; }
+};
+// Installs `allocator` for all later CUDA allocations (both functions, or neither = the default).
+void set_device_allocator(const DeviceAllocator& allocator);
+// Back to cudaMalloc / cudaFree (and cudaMallocAsync for scratch).
+void reset_device_allocator();
+// The allocator in use (is_default() for the built-in one).
+DeviceAllocator device_allocator();
+
 // Owning buffer on the CPU or on a CUDA device; `view()` describes it as a contiguous tensor.
+// CUDA buffers come from the device allocator above; `stream` (a cudaStream_t) is the stream
+// their users run on, passed to a custom allocator (the default ignores it).
 class Buffer {
  public:
   Buffer() = default;
-  Buffer(Device device, DType dtype, std::vector<int64_t> shape);
+  Buffer(Device device, DType dtype, std::vector<int64_t> shape, void* stream = nullptr);
   TensorView view() const;
   void* data() const { return storage_.get(); }
   int64_t bytes() const { return bytes_; }

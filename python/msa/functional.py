@@ -103,14 +103,20 @@ def _int_list(x, name):
 
 def make_layout(cu_seqlens_q=None, cu_seqlens_k=None, fragment_indices=None, *, document_map=None):
     """A PackedLayout from cumulative lengths (``cu_seqlens_k`` defaults to ``cu_seqlens_q``)
-    or from a [batch, seq] int32 document map (0 = padding). Lists, NumPy arrays and CPU
-    tensors are accepted."""
+    or from a [batch, seq] integer document map (0 = padding). Lists, NumPy arrays and CPU
+    tensors are accepted; a CUDA tensor document map is reduced on its device (on PyTorch's
+    current stream) and read back with one wait, so not during CUDA-graph capture."""
     if document_map is not None:
         if cu_seqlens_q is not None:
             raise _native.InvalidArgumentError("give either cu_seqlens or document_map, not both")
         torch = _torch_module(document_map)
         if torch is not None:
-            document_map = document_map.detach().to("cpu", torch.int32).numpy()
+            document_map = document_map.detach()
+            if document_map.device.type == "cuda":
+                document_map = document_map.to(torch.int32)
+                return _native.PackedLayout.from_document_map(_native_arg(document_map),
+                                                              stream=_stream(document_map, None))
+            document_map = document_map.to(torch.int32).numpy()
         return _native.PackedLayout.from_document_map(np.ascontiguousarray(document_map, dtype=np.int32))
     if cu_seqlens_q is None:
         raise _native.InvalidArgumentError("make_layout needs cu_seqlens_q or document_map")
@@ -219,19 +225,21 @@ def merge_states(out_partials, lse_partials, *, out_dtype="float32", determinist
 
 
 
-def pack(padded, layout):
-    """[batch, seq, ...] -> [tokens, ...] for a layout made from a document map (CPU arrays)."""
+def pack(padded, layout, *, stream=None):
+    """[batch, seq, ...] -> [tokens, ...] for a layout made from a document map. CPU arrays are
+    copied on the host; CUDA tensors by a kernel on ``stream`` (None = PyTorch's current stream)
+    that does not wait for the device (graph-capturable)."""
     torch = _torch_module(padded)
     shape = (layout.total_q,) + tuple(padded.shape[2:])
     packed = torch.empty(shape, dtype=padded.dtype, device=padded.device) if torch else np.empty(shape, padded.dtype)
-    _native.pack(layout, _native_arg(padded), _native_arg(packed))
+    _native.pack(layout, _native_arg(padded), _native_arg(packed), stream=_stream(padded, stream))
     return packed
 
 
-def unpack(packed, layout):
-    """[tokens, ...] -> [batch, seq, ...]; padding positions are zero (CPU arrays)."""
+def unpack(packed, layout, *, stream=None):
+    """[tokens, ...] -> [batch, seq, ...]; padding positions are zero (as ``pack``, any device)."""
     torch = _torch_module(packed)
     shape = tuple(layout.padded_shape) + tuple(packed.shape[1:])
     padded = torch.empty(shape, dtype=packed.dtype, device=packed.device) if torch else np.empty(shape, packed.dtype)
-    _native.unpack(layout, _native_arg(packed), _native_arg(padded))
+    _native.unpack(layout, _native_arg(packed), _native_arg(padded), stream=_stream(packed, stream))
     return padded

@@ -14,6 +14,9 @@ void bind_types(nanobind::module_& m);
 // select_blocks, build_plan, forward/backward, kl_backward, merge_states, pack/unpack.
 void bind_ops(nanobind::module_& m);
 
+// set_device_allocator / device_allocator: Python callables as msa's CUDA allocator.
+void bind_allocator(nanobind::module_& m);
+
 // include/msa/inference.h: paged caches, preprocessing, prefill / decode plans and runs.
 void bind_inference(nanobind::module_& m);
 

@@ -17,5 +17,6 @@ NB_MODULE(_native, m) {
   msa::python::bind_errors(m);
   msa::python::bind_types(m);
   msa::python::bind_ops(m);
+  msa::python::bind_allocator(m);
   msa::python::bind_inference(m);
 }

@@ -106,16 +106,16 @@ void merge_states_py(const InArray& out_partials, const InArray& lse_partials, c
   merge_states(p, opt);
 }
 
-void pack_py(const PackedLayout& layout, const InArray& padded, const OutArray& packed) {
+void pack_py(const PackedLayout& layout, const InArray& padded, const OutArray& packed, uintptr_t stream) {
   const TensorView src = to_view(padded, "padded"), dst = to_view(packed, "packed");
   nb::gil_scoped_release unlocked;
-  pack(layout, src, dst);
+  pack(layout, src, dst, reinterpret_cast<void*>(stream));
 }
 
-void unpack_py(const PackedLayout& layout, const InArray& packed, const OutArray& padded) {
+void unpack_py(const PackedLayout& layout, const InArray& packed, const OutArray& padded, uintptr_t stream) {
   const TensorView src = to_view(packed, "packed"), dst = to_view(padded, "padded");
   nb::gil_scoped_release unlocked;
-  unpack(layout, src, dst);
+  unpack(layout, src, dst, reinterpret_cast<void*>(stream));
 }
 
 }  // namespace
@@ -141,9 +141,10 @@ void bind_ops(nb::module_& m) {
         "Writes the gradient of the indexer's KL(teacher || student) w.r.t. index_q and index_k.");
   m.def("merge_states", &merge_states_py, nb::arg("out_partials"), nb::arg("lse_partials"), nb::arg("out"),
         nb::arg("lse"), MSA_RUN_ARGS, "Merges partial attention states [S, rows, H, D] / [S, rows, H] by LSE.");
-  m.def("pack", &pack_py, nb::arg("layout"), nb::arg("padded"), nb::arg("packed"),
-        "[batch, seq, ...] -> [tokens, ...] for a layout made from a document map.");
-  m.def("unpack", &unpack_py, nb::arg("layout"), nb::arg("packed"), nb::arg("padded"),
+  m.def("pack", &pack_py, nb::arg("layout"), nb::arg("padded"), nb::arg("packed"), nb::arg("stream") = 0,
+        "[batch, seq, ...] -> [tokens, ...] for a layout made from a document map (CPU, or a kernel "
+        "on `stream` for CUDA arrays).");
+  m.def("unpack", &unpack_py, nb::arg("layout"), nb::arg("packed"), nb::arg("padded"), nb::arg("stream") = 0,
         "[tokens, ...] -> [batch, seq, ...]; padding positions are set to zero.");
 }
 

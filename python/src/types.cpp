@@ -99,10 +99,15 @@ void bind_types(nb::module_& m) {
                   "fragment_indices [batch].")
       .def_static(
           "from_document_map",
-          [](const InArray& map) { return PackedLayout::from_document_map(to_view(map, "document_map")); },
-          nb::arg("document_map"),
-          "From a [batch, seq] int32 CPU array: 0 marks padding, any other value is a document id; each "
-          "document is one contiguous run.")
+          [](const InArray& map, uintptr_t stream) {
+            const TensorView v = to_view(map, "document_map");
+            nb::gil_scoped_release unlocked;
+            return PackedLayout::from_document_map(v, reinterpret_cast<void*>(stream));
+          },
+          nb::arg("document_map"), nb::arg("stream") = 0,
+          "From a [batch, seq] int32 array: 0 marks padding, any other value is a document id; each "
+          "document is one contiguous run. A CUDA array is reduced on its device (ordered on `stream`, "
+          "a cudaStream_t as int) and read back with one wait.")
       .def_prop_ro("num_documents", &PackedLayout::num_documents)
       .def_prop_ro("total_q", &PackedLayout::total_q)
       .def_prop_ro("total_k", &PackedLayout::total_k)
@@ -132,6 +137,10 @@ void bind_types(nb::module_& m) {
       .def_prop_ro("packed_row_of_padded", [](const PackedLayout& L) { return numpy_copy(L.packed_row_of_padded()); },
                    "For layouts made from a document map: packed row of every padded position "
                    "(row-major) or -1 for padding, int64 [batch * seq].")
+      .def_prop_ro("document_padded_start",
+                   [](const PackedLayout& L) { return numpy_copy(L.document_padded_start()); },
+                   "For layouts made from a document map: padded position (row-major) of every "
+                   "document's first token, int64 [num_documents].")
       .def("__repr__", [](const PackedLayout& L) {
         std::ostringstream os;
         os << "PackedLayout(num_documents=" << L.num_documents() << ", total_q=" << L.total_q()

@@ -6,6 +6,9 @@
 #include <unordered_set>
 
 #include "core/check.h"
+#if MSA_WITH_CUDA
+#include "cuda/layout.h"
+#endif
 
 namespace msa {
 
@@ -97,22 +100,65 @@ int64_t PackedLayout::total_rows(int block_size) const {
   return rows;
 }
 
-PackedLayout PackedLayout::from_document_map(const TensorView& map) {
+namespace {
+
+// A run of equal values in one row of a document map: first position b * seq + s, its value.
+struct Run {
+  int64_t index;
+  int32_t id;
+};
+
+// The runs of a CPU map, row-major (every row starts a run).
+std::vector<Run> host_runs(const TensorView& map) {
+  const int64_t B = map.shape[0], S = map.shape[1];
+  const auto* p = map.as<const int32_t>();
+  std::vector<Run> runs;
+  for (int64_t b = 0; b < B; ++b) {
+    int32_t prev = 0;
+    for (int64_t s = 0; s < S; ++s) {
+      const int32_t id = p[b * map.stride[0] + s * map.stride[1]];
+      if (s == 0 || id != prev) runs.push_back({b * S + s, id});
+      prev = id;
+    }
+  }
+  return runs;
+}
+
+}  // namespace
+
+PackedLayout PackedLayout::from_document_map(const TensorView& map, void* stream) {
   detail::check_present(map, "document_map");
   require(map.dtype == DType::i32, concat("document_map must be int32, got ", dtype_name(map.dtype)));
   require(map.rank == 2, concat("document_map must have shape [batch, seq], got ", map.shape_string()));
-  require(!map.device.is_cuda(), concat("document_map must be a CPU tensor, got ", to_string(map.device)));
   const int64_t B = map.shape[0], S = map.shape[1];
+  std::vector<Run> runs;
+  if (map.device.is_cuda()) {
+#if MSA_WITH_CUDA
+    require(B * S < (int64_t(1) << 31),
+            concat("document_map on a CUDA device must have batch * seq < 2^31 positions, got ", map.shape_string()));
+    if (B * S > 0)
+      for (const cuda::MapRun& r : cuda::document_map_runs(map, stream)) runs.push_back({r.index, r.id});
+#else
+    (void)stream;
+    detail::unsupported("document_map is a CUDA tensor but msa was built without the CUDA backend");
+#endif
+  } else {
+    runs = host_runs(map);
+  }
+
+  // The same walk for both devices, run by run: a document is a run of a non-zero id, and
+  // an id may not start a second run in its row.
   std::vector<int32_t> cu{0};
-  std::vector<int64_t> packed_row(size_t(B * S), -1);
+  std::vector<int64_t> packed_row(size_t(B * S), -1), padded_start;
   int64_t next = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    // Ids are per row: a row is one sequence, so the same id in another row is another
-    // document. Inside a row a document must be one run.
+  for (size_t r = 0; r < runs.size();) {
+    const int64_t b = runs[r].index / S;
     std::unordered_set<int32_t> finished;  // ids of this row whose run has ended
     int32_t current = 0;
-    for (int64_t s = 0; s < S; ++s) {
-      const int32_t id = map.as<const int32_t>()[b * map.stride[0] + s * map.stride[1]];
+    for (; r < runs.size() && runs[r].index / S == b; ++r) {
+      const int64_t at = runs[r].index, s = at - b * S;
+      const int64_t end = (r + 1 < runs.size() && runs[r + 1].index / S == b) ? runs[r + 1].index : (b + 1) * S;
+      const int32_t id = runs[r].id;
       if (id < 0) fail(concat("document_map[", b, ", ", s, "] must be >= 0 (0 = padding), got ", id));
       if (id != current) {
         if (current != 0) {
@@ -125,8 +171,9 @@ PackedLayout PackedLayout::from_document_map(const TensorView& map) {
         current = id;
       }
       if (id != 0) {
-        if (next >= std::numeric_limits<int32_t>::max()) fail("document_map holds more than 2^31 - 1 tokens");
-        packed_row[size_t(b * S + s)] = next++;
+        if (next + (end - at) > std::numeric_limits<int32_t>::max()) fail("document_map holds more than 2^31 - 1 tokens");
+        padded_start.push_back(at);
+        for (int64_t i = at; i < end; ++i) packed_row[size_t(i)] = next++;
       }
     }
     if (current != 0) {
@@ -139,6 +186,7 @@ PackedLayout PackedLayout::from_document_map(const TensorView& map) {
   L.padded_batch_ = B;
   L.padded_seq_ = S;
   L.packed_row_ = std::move(packed_row);
+  L.padded_start_ = std::move(padded_start);
   return L;
 }
 
@@ -165,14 +213,23 @@ int64_t check_pack_pair(const PackedLayout& L, const TensorView& padded, const T
   }
   detail::check_contiguous(padded, "padded");
   detail::check_contiguous(packed, "packed");
-  require(!padded.device.is_cuda() && !packed.device.is_cuda(), "pack/unpack on CUDA tensors are not available yet");
+  require(padded.device == packed.device, concat("packed must be on the device of padded (", to_string(padded.device),
+                                                 "), got ", to_string(packed.device)));
+#if !MSA_WITH_CUDA
+  if (padded.device.is_cuda())
+    detail::unsupported("pack/unpack: the tensors are on a CUDA device but msa was built without the CUDA backend");
+#endif
   return row;
 }
 
 }  // namespace
 
-void pack(const PackedLayout& L, const TensorView& padded, const TensorView& packed) {
+void pack(const PackedLayout& L, const TensorView& padded, const TensorView& packed, void* stream) {
   const int64_t row = check_pack_pair(L, padded, packed);
+#if MSA_WITH_CUDA
+  if (padded.device.is_cuda()) return cuda::pack_rows(L, padded, packed, row, stream);
+#endif
+  (void)stream;
   const auto& rows = L.packed_row_of_padded();
   auto* dst = static_cast<char*>(packed.data);
   const auto* src = static_cast<const char*>(padded.data);
@@ -180,8 +237,12 @@ void pack(const PackedLayout& L, const TensorView& padded, const TensorView& pac
     if (rows[i] >= 0) std::memcpy(dst + rows[i] * row, src + int64_t(i) * row, size_t(row));
 }
 
-void unpack(const PackedLayout& L, const TensorView& packed, const TensorView& padded) {
+void unpack(const PackedLayout& L, const TensorView& packed, const TensorView& padded, void* stream) {
   const int64_t row = check_pack_pair(L, padded, packed);
+#if MSA_WITH_CUDA
+  if (padded.device.is_cuda()) return cuda::unpack_rows(L, packed, padded, row, stream);
+#endif
+  (void)stream;
   const auto& rows = L.packed_row_of_padded();
   auto* dst = static_cast<char*>(padded.data);
   const auto* src = static_cast<const char*>(packed.data);

@@ -97,13 +97,14 @@ SparsePlan build_plan(const Topology& topo, const PackedLayout& L, const TensorV
   plan.topk = topo.topk;
   plan.q_per_cta = options.q_per_cta;
   const int64_t capacity = Hkv * (rows + (edges + options.q_per_cta - 1) / options.q_per_cta);
-  plan.rows = Buffer(plan.device, DType::i32, {rows, 2});
-  plan.row_ptr = Buffer(plan.device, DType::i32, {Hkv, rows + 1});
-  plan.q_indices = Buffer(plan.device, DType::i32, {Hkv, edges});
-  plan.split_slot = Buffer(plan.device, DType::i32, {Hkv, edges});
-  plan.split_counts = Buffer(plan.device, DType::i32, {L.total_q(), Hkv});
-  plan.schedule = Buffer(plan.device, DType::i32, {capacity, 6});
-  plan.work_count_dev = Buffer(plan.device, DType::i32, {1});
+  void* const stream = on_cuda(topk) ? opt.stream : nullptr;  // CUDA buffers are used on opt.stream
+  plan.rows = Buffer(plan.device, DType::i32, {rows, 2}, stream);
+  plan.row_ptr = Buffer(plan.device, DType::i32, {Hkv, rows + 1}, stream);
+  plan.q_indices = Buffer(plan.device, DType::i32, {Hkv, edges}, stream);
+  plan.split_slot = Buffer(plan.device, DType::i32, {Hkv, edges}, stream);
+  plan.split_counts = Buffer(plan.device, DType::i32, {L.total_q(), Hkv}, stream);
+  plan.schedule = Buffer(plan.device, DType::i32, {capacity, 6}, stream);
+  plan.work_count_dev = Buffer(plan.device, DType::i32, {1}, stream);
   if (on_cuda(topk)) {
 #if MSA_WITH_CUDA
     cuda::build_plan(topo, L, topk, plan, opt);

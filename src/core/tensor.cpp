@@ -2,13 +2,70 @@
 
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <new>
 #include <sstream>
 
 #include "backend.h"
+#include "core/allocator.h"
 #include "core/check.h"
 
 namespace msa {
+
+namespace {
+
+std::mutex allocator_mutex;
+std::shared_ptr<const DeviceAllocator> installed_allocator;  // null: the built-in one
+
+std::shared_ptr<const DeviceAllocator> current_allocator() {
+  std::lock_guard<std::mutex> lock(allocator_mutex);
+  return installed_allocator;
+}
+
+}  // namespace
+
+void set_device_allocator(const DeviceAllocator& allocator) {
+  detail::require((allocator.allocate == nullptr) == (allocator.deallocate == nullptr),
+                  "set_device_allocator: give both allocate and deallocate, or neither (the built-in allocator)");
+  auto next = allocator.is_default() ? nullptr : std::make_shared<const DeviceAllocator>(allocator);
+  std::lock_guard<std::mutex> lock(allocator_mutex);
+  installed_allocator = std::move(next);
+}
+
+void reset_device_allocator() { set_device_allocator(DeviceAllocator{}); }
+
+DeviceAllocator device_allocator() {
+  const auto a = current_allocator();
+  return a ? *a : DeviceAllocator{};
+}
+
+namespace detail {
+
+std::shared_ptr<void> allocate_device(int64_t bytes, int device, void* stream, bool scratch) {
+#if MSA_WITH_CUDA
+  if (auto a = current_allocator()) {
+    void* p = a->allocate(bytes, device, stream, a->context);
+    if (!p)
+      throw Error(ErrorKind::runtime,
+                  concat("the device allocator returned no memory for ", bytes, " bytes on cuda:", device));
+    return std::shared_ptr<void>(p, [a, bytes, device, stream](void* q) { a->deallocate(q, bytes, device, stream, a->context); });
+  }
+  if (scratch) {
+    void* p = cuda::allocate_async(bytes, device, stream);
+    return std::shared_ptr<void>(p, [device, stream](void* q) { cuda::release_async(q, device, stream); });
+  }
+  void* p = cuda::allocate(bytes, device);
+  return std::shared_ptr<void>(p, [device](void* q) { cuda::release(q, device); });
+#else
+  (void)bytes;
+  (void)device;
+  (void)stream;
+  (void)scratch;
+  unsupported("device memory was requested but msa was built without the CUDA backend");
+#endif
+}
+
+}  // namespace detail
 
 std::string to_string(Device d) { return d.is_cuda() ? "cuda:" + std::to_string(d.index) : "cpu"; }
 
@@ -68,7 +125,7 @@ std::string TensorView::shape_string() const {
   return os.str();
 }
 
-Buffer::Buffer(Device device, DType dtype, std::vector<int64_t> shape)
+Buffer::Buffer(Device device, DType dtype, std::vector<int64_t> shape, void* stream)
     : device_(device), dtype_(dtype), shape_(std::move(shape)) {
   int64_t n = 1;
   for (int64_t s : shape_) n *= s;
@@ -76,10 +133,9 @@ Buffer::Buffer(Device device, DType dtype, std::vector<int64_t> shape)
   const size_t alloc = size_t(bytes_ > 0 ? bytes_ : 1);
   if (device.is_cuda()) {
 #if MSA_WITH_CUDA
-    const int ordinal = device.index;
-    storage_ = std::shared_ptr<void>(cuda::allocate(int64_t(alloc), ordinal),
-                                     [ordinal](void* p) { cuda::release(p, ordinal); });
+    storage_ = detail::allocate_device(int64_t(alloc), device.index, stream, false);
 #else
+    (void)stream;
     detail::unsupported("a CUDA buffer was requested but msa was built without the CUDA backend");
 #endif
   } else {

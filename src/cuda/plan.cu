@@ -1,6 +1,8 @@
 // build_plan on the device: validates the selection, inverts it into the k2q CSR (rows
 // level-major, queries ascending within a row), assigns partial slots and cuts rows into
-// work items. The host reads only the layout; nothing here waits for the device.
+// work items. The host reads only the layout; nothing here waits for the device, and all
+// memory comes from the device allocator (include/msa/tensor.h), so plans can be built
+// during CUDA-graph capture.
 //
 // Edges (head, query, slot) are sorted by (head, row) with a stable radix sort; since they
 // are generated in (head, query) order, the queries of every row come out ascending.
@@ -249,13 +251,65 @@ bool key_ranges_overlap(const PackedLayout& L) {
   return false;
 }
 
-template <typename T>
-Buffer upload(const std::vector<T>& host, Device dev, std::vector<int64_t> shape, cudaStream_t s) {
-  Buffer buf(dev, DType::i32, std::move(shape));
-  if (!host.empty())
-    MSA_CUDA_CHECK(cudaMemcpyAsync(buf.data(), host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice, s));
-  return buf;
+// Host metadata reaches the device as kernel arguments rather than through cudaMemcpy from
+// pageable memory: the launch copies them, so nothing waits for the device and the upload can
+// be captured in a CUDA graph (the values are part of the graph). One launch carries up to
+// kUploadInts values for up to kUploadSegments destinations (32 KB of kernel parameters,
+// CUDA 12.1 or newer).
+constexpr int kUploadInts = 7936;
+constexpr int kUploadSegments = 8;
+
+struct UploadArgs {
+  int32_t* dst[kUploadSegments];
+  int32_t end[kUploadSegments];  // exclusive end of each destination's values in v
+  int32_t segments;
+  int32_t count;
+  int32_t v[kUploadInts];
+};
+static_assert(sizeof(UploadArgs) <= 32764, "kernel parameters are limited to 32764 bytes");
+
+__global__ void upload_kernel(const __grid_constant__ UploadArgs a) {
+  for (int i = int(blockIdx.x * blockDim.x + threadIdx.x); i < a.count; i += int(gridDim.x * blockDim.x)) {
+    int seg = 0;
+    while (a.end[seg] <= i) ++seg;
+    const int begin = seg > 0 ? a.end[seg - 1] : 0;
+    a.dst[seg][i - begin] = a.v[i];
+  }
 }
+
+class Uploader {
+ public:
+  explicit Uploader(cudaStream_t s) : s_(s) { args_.segments = args_.count = 0; }
+  Uploader(const Uploader&) = delete;
+  Uploader& operator=(const Uploader&) = delete;
+
+  void add(int32_t* dst, const int32_t* src, int64_t n) {
+    while (n > 0) {
+      if (args_.segments == kUploadSegments || args_.count == kUploadInts) flush();
+      const int take = int(std::min<int64_t>(n, kUploadInts - args_.count));
+      std::copy(src, src + take, args_.v + args_.count);
+      args_.dst[args_.segments] = dst;
+      args_.count += take;
+      args_.end[args_.segments++] = args_.count;
+      dst += take;
+      src += take;
+      n -= take;
+    }
+  }
+  void add(const Buffer& dst, const std::vector<int32_t>& src) { add(i32(dst), src.data(), int64_t(src.size())); }
+
+  void flush() {
+    if (args_.count > 0) {
+      upload_kernel<<<blocks_for(args_.count), kThreads, 0, s_>>>(args_);
+      MSA_CUDA_CHECK_LAUNCH("upload_kernel");
+    }
+    args_.segments = args_.count = 0;
+  }
+
+ private:
+  UploadArgs args_;
+  cudaStream_t s_;
+};
 
 // Cuts every (head, row) of the CSR into items of at most `per_item` queries: full items in
 // (head, row) order first, then the partial items by size descending, (head, row) order
@@ -312,23 +366,32 @@ void build_plan(const Topology& topo, const PackedLayout& L, const TensorView& t
     throw Error(ErrorKind::unsupported, "build_plan (CUDA): Hkv * total_q * 16 must be below 2^31, got " +
                                             std::to_string(edges));
 
+  // Nothing below allocates outside the device allocator, copies from pageable memory or
+  // waits for the device, so a plan can be built during CUDA-graph capture.
   auto state = std::make_shared<PlanState>();
   const HostRows host_rows = number_rows(L);
   const std::vector<DocInfo> docs = doc_table(L);
   std::vector<int32_t> docs_flat;
   for (const DocInfo& d : docs) docs_flat.insert(docs_flat.end(), {d.q_start, d.q_len, d.k_start, d.k_len});
+  void* const sv = opt.stream;
   state->num_documents = B;
-  state->docs = upload(docs_flat, dev, {B, 4}, s);
-  state->cu_q = upload(L.cu_seqlens_q(), dev, {B + 1}, s);
-  state->doc_row_base = upload(host_rows.doc_row_base, dev, {B}, s);
-  state->row_of = upload(host_rows.row_of, dev, {std::max<int64_t>(rows, 1)}, s);
-  if (rows > 0)
-    MSA_CUDA_CHECK(cudaMemcpyAsync(plan.rows.data(), host_rows.rows.data(), host_rows.rows.size() * 4,
-                                   cudaMemcpyHostToDevice, s));
+  state->docs = Buffer(dev, DType::i32, {B, 4}, sv);
+  state->cu_q = Buffer(dev, DType::i32, {B + 1}, sv);
+  state->doc_row_base = Buffer(dev, DType::i32, {B}, sv);
+  state->row_of = Buffer(dev, DType::i32, {std::max<int64_t>(rows, 1)}, sv);
+  {
+    Uploader up(s);
+    up.add(state->docs, docs_flat);
+    up.add(state->cu_q, L.cu_seqlens_q());
+    up.add(state->doc_row_base, host_rows.doc_row_base);
+    up.add(state->row_of, host_rows.row_of);
+    up.add(plan.rows, host_rows.rows);
+    up.flush();
+  }
   state->keys_overlap = key_ranges_overlap(L);
 
   plan.work_count = -1;
-  plan.status = Buffer(dev, DType::i32, {4});
+  plan.status = Buffer(dev, DType::i32, {4}, sv);
   MSA_CUDA_CHECK(cudaMemsetAsync(plan.status.data(), 0, 16, s));
   MSA_CUDA_CHECK(cudaMemsetAsync(plan.q_indices.data(), 0xff, size_t(plan.q_indices.bytes()), s));
   MSA_CUDA_CHECK(cudaMemsetAsync(plan.split_slot.data(), 0xff, size_t(plan.split_slot.bytes()), s));
@@ -339,11 +402,11 @@ void build_plan(const Topology& topo, const PackedLayout& L, const TensorView& t
   const int64_t schedule_capacity = plan.schedule.view().shape[0];
   state->schedule_capacity = schedule_capacity;
   state->chunk_capacity = Hkv * (rows + ceil_div(total_q * 16, kChunkQueries));
-  state->chunks = Buffer(dev, DType::i32, {std::max<int64_t>(state->chunk_capacity, 1), 6});
-  state->chunk_count = Buffer(dev, DType::i32, {1});
-  state->chunk_first = Buffer(dev, DType::i32, {std::max<int64_t>(Hkv * rows, 1)});
-  state->chunk_nfull = Buffer(dev, DType::i32, {std::max<int64_t>(Hkv * rows, 1)});
-  state->chunk_tail = Buffer(dev, DType::i32, {std::max<int64_t>(Hkv * rows, 1)});
+  state->chunks = Buffer(dev, DType::i32, {std::max<int64_t>(state->chunk_capacity, 1), 6}, sv);
+  state->chunk_count = Buffer(dev, DType::i32, {1}, sv);
+  state->chunk_first = Buffer(dev, DType::i32, {std::max<int64_t>(Hkv * rows, 1)}, sv);
+  state->chunk_nfull = Buffer(dev, DType::i32, {std::max<int64_t>(Hkv * rows, 1)}, sv);
+  state->chunk_tail = Buffer(dev, DType::i32, {std::max<int64_t>(Hkv * rows, 1)}, sv);
 
   if (edges > 0) {
     const int32_t sentinel = int32_t(Hkv * rows);
@@ -378,7 +441,7 @@ void build_plan(const Topology& topo, const PackedLayout& L, const TensorView& t
               i32(state->chunk_count), i32(state->chunk_first), i32(state->chunk_nfull),
               i32(state->chunk_tail), s);
 
-  allocate_workspace(topo, L, *state, dev);
+  allocate_workspace(topo, L, *state, dev, sv);
   plan.backend = state;
 }
 

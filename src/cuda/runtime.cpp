@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "backend.h"
+#include "core/allocator.h"
 #include "cuda/common.cuh"
 
 namespace msa::cuda {
@@ -87,6 +88,28 @@ void release(void* ptr, int device) {
   if (cudaGetDevice(&previous) != cudaSuccess) return;
   if (previous != device) cudaSetDevice(device);
   cudaFree(ptr);
+  if (previous != device) cudaSetDevice(previous);
+}
+
+void* allocate_async(int64_t bytes, int device, void* stream) {
+  DeviceGuard guard(device);
+  void* ptr = nullptr;
+  const cudaError_t err = cudaMallocAsync(&ptr, size_t(bytes), static_cast<cudaStream_t>(stream));
+  if (err != cudaSuccess) {
+    cudaGetLastError();
+    std::ostringstream os;
+    os << "cudaMallocAsync of " << bytes << " bytes on cuda:" << device << " failed: " << cudaGetErrorString(err);
+    throw Error(ErrorKind::runtime, os.str());
+  }
+  return ptr;
+}
+
+void release_async(void* ptr, int device, void* stream) {
+  // Called from destructors: never throws.
+  int previous = -1;
+  if (cudaGetDevice(&previous) != cudaSuccess) return;
+  if (previous != device) cudaSetDevice(device);
+  if (cudaFreeAsync(ptr, static_cast<cudaStream_t>(stream)) != cudaSuccess) cudaGetLastError();
   if (previous != device) cudaSetDevice(previous);
 }
 

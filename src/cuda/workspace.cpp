@@ -43,10 +43,10 @@ WorkspaceLayout workspace_layout(int64_t Tq, int64_t Tk, int Hkv, int64_t rows, 
   return w;
 }
 
-void allocate_workspace(const Topology& topo, const PackedLayout& L, PlanState& state, Device dev) {
+void allocate_workspace(const Topology& topo, const PackedLayout& L, PlanState& state, Device dev, void* stream) {
   const WorkspaceLayout w =
       workspace_layout(L.total_q(), L.total_k(), topo.num_kv_heads, L.total_rows(128), state.chunk_capacity);
-  state.workspace = Buffer(dev, DType::u8, {w.total});
+  state.workspace = Buffer(dev, DType::u8, {w.total}, stream);
   state.workspace_bytes = w.total;
 }
 

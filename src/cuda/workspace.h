@@ -31,7 +31,9 @@ struct WorkspaceLayout {
 
 WorkspaceLayout workspace_layout(int64_t total_q, int64_t total_k, int Hkv, int64_t total_rows, int64_t chunk_capacity);
 
-void allocate_workspace(const Topology& topo, const PackedLayout& L, PlanState& state, Device dev);
+// The plan's workspace, sized by workspace_layout (the one place that knows the sizes), from
+// the device allocator for work on `stream`.
+void allocate_workspace(const Topology& topo, const PackedLayout& L, PlanState& state, Device dev, void* stream);
 
 // Typed pointer into the plan's workspace.
 template <typename T>

@@ -111,18 +111,8 @@ def test_side_stream_is_honoured():
     assert rel_err(got, want) < 1e-6
 
 
-@pytest.mark.xfail(strict=True, reason="the torch ops build their plan inside the call and the CUDA plan builder "
-                   "allocates with cudaMalloc, which stream capture forbids; capture works from C++ with a "
-                   "prebuilt plan (tests/test_gpu_graph.cpp). Needs a caller-provided plan workspace.")
-def test_cuda_graph_capture_and_replay():
-    x = to_cuda(inputs(seed=1))
-    static = {k: v.clone() for k, v in x.items() if k != "cu"}
-    cu = x["cu"]
-
-    def step():
-        topk = mt.select_blocks(static["iq"], static["ik"], cu)
-        return mt.sparse_attention(static["q"], static["k"], static["v"], topk, cu)
-
+def _capture(step):
+    """Warms `step` up on a side stream, then captures it; returns (graph, step's outputs)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -130,15 +120,99 @@ def test_cuda_graph_capture_and_replay():
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = step()
-    fresh = to_cuda(inputs(seed=2))
-    for k in static:
-        static[k].copy_(fresh[k])
+        outputs = step()
+    return graph, outputs
+
+
+def test_torch_allocator_is_in_use():
+    assert mt.torch_allocator_in_use()
+    x = to_cuda(inputs())
+    topk = mt.select_blocks(x["iq"], x["ik"], x["cu"])
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    layout = msa.make_layout(CU)
+    plan = msa.build_plan(topk, layout)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() > before, "the plan's memory did not come from PyTorch's allocator"
+    del plan
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+
+
+def test_cuda_graph_capture_and_replay_forward_backward():
+    x = to_cuda(inputs(seed=1))
+    static = {k: v.clone() for k, v in x.items() if k != "cu"}
+    for name in ("q", "k", "v"):
+        static[name].requires_grad_(True)
+    grad = torch.randn(static["q"].shape, device="cuda").to(torch.bfloat16)
+    cu = x["cu"]
+
+    def step():
+        topk = mt.select_blocks(static["iq"], static["ik"], cu, deterministic=True)
+        out = mt.sparse_attention(static["q"], static["k"], static["v"], topk, cu, deterministic=True)
+        dq, dk, dv = torch.autograd.grad(out, (static["q"], static["k"], static["v"]), grad)
+        return out, dq, dk, dv
+
+    graph, captured = _capture(step)
+    for seed in (2, 3):
+        fresh = to_cuda(inputs(seed=seed))
+        with torch.no_grad():
+            for k in static:
+                static[k].copy_(fresh[k])
+        graph.replay()
+        torch.cuda.synchronize()
+        q, k, v = (fresh[n].clone().requires_grad_(True) for n in ("q", "k", "v"))
+        topk = mt.select_blocks(fresh["iq"], fresh["ik"], cu, deterministic=True)
+        out = mt.sparse_attention(q, k, v, topk, cu, deterministic=True)
+        want = (out,) + torch.autograd.grad(out, (q, k, v), grad)
+        for name, got, ref in zip(("out", "dq", "dk", "dv"), captured, want):
+            assert not got.isnan().any(), f"{name}: NaN after replay (seed {seed})"
+            assert rel_err(got, ref) < 1e-6, f"{name}: replay differs from eager (seed {seed}): {rel_err(got, ref)}"
+
+
+def test_cuda_graph_capture_of_the_layer_with_indexer_training():
+    torch.manual_seed(0)
+    layer = mt.MiniMaxM3SparseAttention(hidden_size=512, num_q_heads=32, num_kv_heads=2, deterministic=True).cuda()
+    layer.reset_parameters()
+    layer.train()
+    doc = torch.tensor([[1] * 400 + [0] * 200, [2] * 300 + [3] * 300], dtype=torch.int32)
+    packing = mt.PackingIndex(2, 600, document_map=doc, device="cuda")  # host work: before the capture
+    x = torch.randn(2, 600, 512, device="cuda", requires_grad=True)
+    params = [p for p in layer.parameters()]
+
+    def step():
+        y = layer(x, packing=packing)
+        grads = torch.autograd.grad(y.float().square().sum(), [x] + params)
+        return (y,) + grads
+
+    graph, captured = _capture(step)
+    with torch.no_grad():
+        x.copy_(torch.randn(2, 600, 512, device="cuda"))
     graph.replay()
     torch.cuda.synchronize()
-    topk = mt.select_blocks(fresh["iq"], fresh["ik"], cu)
-    want = mt.sparse_attention(fresh["q"], fresh["k"], fresh["v"], topk, cu)
-    assert rel_err(out, want) < 1e-6
+    want = step()
+    names = ["y", "dx"] + [n for n, _ in layer.named_parameters()]
+    for name, got, ref in zip(names, captured, want):
+        assert rel_err(got, ref) < 1e-5, f"{name}: replay differs from eager: {rel_err(got, ref)}"
+
+
+def test_layout_pack_and_unpack_on_cuda_match_cpu():
+    g = torch.Generator().manual_seed(0)
+    doc = torch.zeros(3, 700, dtype=torch.int32)
+    doc[0, :300], doc[0, 300:650], doc[1, 10:700], doc[2, :5] = 4, 9, 1, 2
+    cpu = msa.make_layout(document_map=doc)
+    gpu = msa.make_layout(document_map=doc.cuda())
+    assert list(gpu.cu_seqlens_q) == list(cpu.cu_seqlens_q)
+    assert (gpu.packed_row_of_padded == cpu.packed_row_of_padded).all()
+    padded = torch.randn(3, 700, 4, 33, generator=g).to(torch.bfloat16)
+    want = msa.pack(padded, cpu)
+    got = msa.pack(padded.cuda(), gpu)
+    assert got.is_cuda and torch.equal(got.cpu(), want)
+    assert torch.equal(msa.unpack(got, gpu).cpu(), msa.unpack(want, cpu))
+    with pytest.raises(msa.InvalidArgumentError, match="not one contiguous run"):
+        bad = doc.clone()
+        bad[0, 690] = 4
+        msa.make_layout(document_map=bad.cuda())
 
 
 def test_deterministic_mode_is_bitwise_reproducible_on_cuda():
@@ -162,3 +236,27 @@ def test_functional_api_on_cuda_tensors():
     assert topk.is_cuda and plan.device.startswith("cuda")
     out, lse = msa.forward(x["q"], x["k"], x["v"], topk, layout, plan)
     assert out.is_cuda and out.dtype == torch.float32
+
+
+def test_allocator_errors_reach_the_caller_and_the_default_comes_back():
+    x = to_cuda(inputs())
+    topk = mt.select_blocks(x["iq"], x["ik"], x["cu"])
+    layout = msa.make_layout(CU)
+    saved = msa.device_allocator()
+
+    def refuse(nbytes, device, stream):
+        raise MemoryError(f"refused {nbytes} bytes")
+
+    try:
+        msa.set_device_allocator(refuse, lambda ptr, nbytes, device, stream: None)
+        with pytest.raises(MemoryError, match="refused"):
+            msa.build_plan(topk, layout)
+        msa.set_device_allocator(None, None)  # msa's own cudaMalloc
+        plan = msa.build_plan(topk, layout)
+        out, _ = msa.forward(x["q"], x["k"], x["v"], topk, layout, plan)
+        assert not out.isnan().any()
+    finally:
+        if isinstance(saved, tuple):
+            msa.set_device_allocator(*saved)
+        else:
+            msa.set_device_allocator(None, None)

@@ -1,7 +1,10 @@
 """PyTorch custom ops (torch.library) over the native module, with fake (meta) kernels and
 autograd. Tensors reach the library through DLPack capsules: no copies, no stream
 synchronisation; CUDA work is queued on PyTorch's current stream and no op waits for the
-device, so the ops can be captured in CUDA graphs.
+device. Each attention op builds its plan on the device inside the call; the plan's memory
+comes from PyTorch's caching allocator (installed by ``msa.torch``, see _allocator.py) and the
+plan uploads its host metadata as kernel arguments, so the ops can be captured in CUDA graphs
+(the plan is rebuilt from the new top-k on every replay).
 
 Layout metadata (cu_seqlens, fragment_indices) are int32 CPU tensors: they are read on the
 host, as the library plans on the host. Output shapes depend only on input shapes.
