@@ -49,43 +49,63 @@ struct ForwardArgs {
   float scale_log2;           // softmax scale * log2(e)
 };
 
-// Producer warp pw (of kProducerWarps): metadata and Q rows of queries pw * kQueriesPerProducer..
-// of one task into `meta` / `stage` (cp.async); `full` completes when every producer warp's
-// share has landed. Rows of absent queries are zero (they keep the warpgroup's products
-// finite; their results are not written).
-__device__ void produce_task(const ForwardArgs& a, int64_t task, uint32_t stage, int* meta, uint32_t full, int pw,
-                             int lane) {
+// What producer warp pw needs about one task: its key block and, for each of its queries, the
+// packed row (-1: absent), partial slot and last visible key of the block.
+struct TaskMeta {
+  int g = 0, b = 0, j = 0;
+  int row[kQueriesPerProducer], slot[kQueriesPerProducer], limit[kQueriesPerProducer];
+};
+
+// Reads the metadata of task `task` for producer warp pw (one lane per task: the loads of 32
+// tasks are in flight together, two dependent round trips per 32 tasks).
+__device__ TaskMeta fetch_task(const ForwardArgs& a, int64_t task, int pw) {
+  TaskMeta m;
   const int32_t* it = a.schedule + (task / a.nsub) * 6;
-  const int g = it[0], q_begin = it[2], q_count = it[3], b = it[4], j = it[5];
-  const int w = pw * kQueriesPerProducer + lane;  // the query (consumer warp) this lane describes
-  const int qi = int(task % a.nsub) * 8 + w;
-  int row = -1, slot = 0, limit = 127;
-  if (lane < kQueriesPerProducer && qi < q_count) {
-    const DocInfo d = a.docs[b];
-    const int64_t e = int64_t(g) * a.total_q * 16 + q_begin + qi;
-    const int ql = a.q_indices[e];
-    row = d.q_start + ql;
-    slot = a.split_slot[e];
-    limit = d.k_len - d.q_len + ql - j * 128;
+  m.g = it[0], m.b = it[4], m.j = it[5];
+  const int q_begin = it[2], q_count = it[3];
+  const DocInfo d = a.docs[m.b];
+#pragma unroll
+  for (int i = 0; i < kQueriesPerProducer; ++i) {
+    const int qi = int(task % a.nsub) * 8 + pw * kQueriesPerProducer + i;
+    m.row[i] = -1, m.slot[i] = 0, m.limit[i] = 127;
+    if (qi < q_count) {
+      const int64_t e = int64_t(m.g) * a.total_q * 16 + q_begin + qi;
+      const int ql = a.q_indices[e];
+      m.row[i] = d.q_start + ql;
+      m.slot[i] = a.split_slot[e];
+      m.limit[i] = d.k_len - d.q_len + ql - m.j * 128;
+    }
   }
-  if (lane < kQueriesPerProducer) *reinterpret_cast<int4*>(meta + 4 * w) = make_int4(row, slot, limit, g);
-  if (pw == 0 && lane == kQueriesPerProducer)
-    *reinterpret_cast<int4*>(meta + 4 * kConsumerWarps) = make_int4(g, b, j, 0);
+  return m;
+}
+
+// Producer warp pw: writes the metadata of lane `src`'s task and copies its queries' Q rows
+// into `stage` (cp.async); `full` completes when every producer warp's share has landed.
+// Rows of absent queries are zero (they keep the warpgroup's products finite; their results
+// are not written).
+__device__ void produce_task(const ForwardArgs& a, const TaskMeta& mine, int src, uint32_t stage, int* meta,
+                             uint32_t full, int pw, int lane) {
+  const int g = __shfl_sync(0xffffffffu, mine.g, src);
+  const int b = __shfl_sync(0xffffffffu, mine.b, src);
+  const int j = __shfl_sync(0xffffffffu, mine.j, src);
   // Lane l copies 16-byte chunk (l & 15) of rows 2k + (l >> 4), k = 0..7, of each query: the
   // same shared-memory offsets for every query but the row base (a multiple of 8 rows).
   const int rr = lane >> 4, c = lane & 15;
 #pragma unroll
   for (int i = 0; i < kQueriesPerProducer; ++i) {
-    const int r = __shfl_sync(0xffffffffu, row, i);
+    const int r = __shfl_sync(0xffffffffu, mine.row[i], src);
+    const int slot = __shfl_sync(0xffffffffu, mine.slot[i], src);
+    const int limit = __shfl_sync(0xffffffffu, mine.limit[i], src);
     const int qw = pw * kQueriesPerProducer + i;
-    const __nv_bfloat16* src = a.q + (int64_t(max(r, 0)) * a.Hq + 16 * g) * 128 + rr * 128 + c * 8;
+    if (lane == 0) *reinterpret_cast<int4*>(meta + 4 * qw) = make_int4(r, slot, limit, g);
+    const __nv_bfloat16* q = a.q + (int64_t(max(r, 0)) * a.Hq + 16 * g) * 128 + rr * 128 + c * 8;
     const int bytes = r >= 0 ? 16 : 0;
 #pragma unroll
-    for (int k = 0; k < 8; ++k) cp_async16(stage + tile_offset(128, 16 * qw + 2 * k + rr, c), src + k * 256, bytes);
+    for (int k = 0; k < 8; ++k) cp_async16(stage + tile_offset(128, 16 * qw + 2 * k + rr, c), q + k * 256, bytes);
   }
+  if (pw == 0 && lane == 0) *reinterpret_cast<int4*>(meta + 4 * kConsumerWarps) = make_int4(g, b, j, 0);
   mbar_arrive_on_cp_async(full);
-  __syncwarp();  // the metadata stores of this warp happen before lane 0's arrival
-  if (lane == 0) mbar_arrive(full);
+  if (lane == 0) mbar_arrive(full);  // after lane 0's metadata stores
 }
 
 // Loads key block j of head g into the K tile (rows = keys) and V transposed into the V^T
@@ -219,18 +239,23 @@ __global__ void __launch_bounds__(kThreads, 1) forward_tasks_kernel(const Forwar
   const uint32_t bars = base + (2 + kQStages) * kTileBytes + kQStages * kMetaInts * 4;  // full[s], then empty[s]
   if (tid == 0) {
     for (int i = 0; i < kQStages; ++i) {
-      mbar_init(bars + 8 * i, 33 * kProducerWarps);  // per producer warp: 32 cp.async arrivals + metadata
+      mbar_init(bars + 8 * i, 33 * kProducerWarps);  // per producer warp: 32 cp.async arrivals + lane 0
       mbar_init(bars + 8 * (kQStages + i), kConsumerWarps);
     }
   }
   __syncthreads();
 
   if (warp >= kConsumerWarps) {
-    for (int64_t t = first; t < last; ++t) {
-      const int n = int(t - first), stage = n % kQStages, use = n / kQStages;
-      if (use > 0) mbar_wait(bars + 8 * (kQStages + stage), (use - 1) & 1);
-      produce_task(a, t, q0 + stage * kTileBytes, meta0 + stage * kMetaInts, bars + 8 * stage, warp - kConsumerWarps,
-                   lane);
+    const int pw = warp - kConsumerWarps;
+    for (int64_t t0 = first; t0 < last; t0 += 32) {
+      TaskMeta mine;
+      if (t0 + lane < last) mine = fetch_task(a, t0 + lane, pw);
+      const int count = int(last - t0 < 32 ? last - t0 : 32);
+      for (int k = 0; k < count; ++k) {
+        const int n = int(t0 + k - first), stage = n % kQStages, use = n / kQStages;
+        if (use > 0) mbar_wait(bars + 8 * (kQStages + stage), (use - 1) & 1);
+        produce_task(a, mine, k, q0 + stage * kTileBytes, meta0 + stage * kMetaInts, bars + 8 * stage, pw, lane);
+      }
     }
     cp_async_wait<0>();
     return;
