@@ -19,6 +19,16 @@ inline KvScaleMode kv_scale_mode(const PagedKvCache& c) {
   return c.k_scale.rank == 2 ? KvScaleMode::per_head_token : KvScaleMode::per_tensor;
 }
 
+// The merge of a decode plan's split-K partials into the caller's out / lse.
+inline MergeStatesParams split_merge_params(const InferencePlan& plan, const PagedAttentionParams& p) {
+  MergeStatesParams merge;
+  merge.out_partials = plan.partial_out.view();
+  merge.lse_partials = plan.partial_lse.view();
+  merge.out = p.out;
+  merge.lse = p.lse;
+  return merge;
+}
+
 inline constexpr int kPageSize = 128;
 inline constexpr int kHeadDim = 128;
 inline constexpr int kTopk = 16;

@@ -264,32 +264,29 @@ void check_insert(const std::string& format, DType index_dtype, bool norm) {
   const HostTensor kn = random_tensor(rng, {128}, 0.2f), ikn = random_tensor(rng, {128}, 0.2f, DType::f32);
 
   DeviceCase d(c);
-  KvInsertParams p;
-  p.k = k.view();
-  p.v = v.view();
-  p.index_k = ik.view();
-  p.slot_mapping = slot_t.view();
-  p.cache = c.cache();
-  p.index_k_cache = c.index_k_cache.view();
-  p.positions = pos_t.view();
-  if (norm) {
-    p.k_norm = kn.view();
-    p.index_k_norm = ikn.view();
-  }
-  insert_kv(p);
+  // The same call twice: host tensors into the CPU case, device copies into the GPU case.
+  auto params = [&](const TensorView& kk, const TensorView& vv, const TensorView& ikk, const TensorView& slot,
+                    const PagedKvCache& cache, const TensorView& ik_cache, const TensorView& pos, const TensorView& knw,
+                    const TensorView& iknw) {
+    KvInsertParams p;
+    p.k = kk;
+    p.v = vv;
+    p.index_k = ikk;
+    p.slot_mapping = slot;
+    p.cache = cache;
+    p.index_k_cache = ik_cache;
+    p.positions = pos;
+    if (norm) {
+      p.k_norm = knw;
+      p.index_k_norm = iknw;
+    }
+    return p;
+  };
+  insert_kv(params(k.view(), v.view(), ik.view(), slot_t.view(), c.cache(), c.index_k_cache.view(), pos_t.view(),
+                   kn.view(), ikn.view()));
   DeviceTensor dk(k), dv(v), dik(ik), dslot(slot_t), dpos(pos_t), dkn(kn), dikn(ikn);
-  p.k = dk.view();
-  p.v = dv.view();
-  p.index_k = dik.view();
-  p.slot_mapping = dslot.view();
-  p.cache = d.cache();
-  p.index_k_cache = d.index_k_cache.view();
-  p.positions = dpos.view();
-  if (norm) {
-    p.k_norm = dkn.view();
-    p.index_k_norm = dikn.view();
-  }
-  insert_kv(p);
+  insert_kv(params(dk.view(), dv.view(), dik.view(), dslot.view(), d.cache(), d.index_k_cache.view(), dpos.view(),
+                   dkn.view(), dikn.view()));
 
   // Byte comparison of every cache tensor; with norm + RoPE a few rows may differ where the
   // normalised bf16 value differs by one step (reduction order, sin / cos).

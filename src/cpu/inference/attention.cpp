@@ -141,11 +141,7 @@ void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, c
   }
 
   if (splits > 1) {
-    MergeStatesParams merge;
-    merge.out_partials = plan.partial_out.view();
-    merge.lse_partials = plan.partial_lse.view();
-    merge.out = p.out;
-    merge.lse = p.lse;
+    const MergeStatesParams merge = split_merge_params(plan, p);
     RunOptions merge_opt = opt;
     merge_opt.num_threads = threads;
     cpu::merge_states(merge, merge_opt);

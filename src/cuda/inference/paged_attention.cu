@@ -521,11 +521,7 @@ void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, c
   else launch_format<8>(c.format, a, grid, stream);
 
   if (splits > 1) {
-    MergeStatesParams merge;
-    merge.out_partials = plan.partial_out.view();
-    merge.lse_partials = plan.partial_lse.view();
-    merge.out = p.out;
-    merge.lse = p.lse;
+    const MergeStatesParams merge = split_merge_params(plan, p);
     cuda::merge_states(merge, opt);
   }
 }
