@@ -19,6 +19,7 @@
 #   MSA_BENCH_REPS     timed repetitions per op (default 10)
 #   MSA_SANITIZE       0 skips the memcheck step
 #   MSA_DECODE_BENCH   0 skips msa bench --decode and msa demo
+#   MSA_PYTEST_PATHS   what pytest runs with MSA_PYTHON=1 (default: all of tests/python)
 # Dependencies: CUDA toolkit, CMake >= 3.25, Ninja, GoogleTest (installed, or its sources in
 # .deps/googletest or /usr/src/googletest, built here), and the header-only nlohmann_json
 # and CLI11 (installed, or a prefix in .deps/prefix).
@@ -112,7 +113,7 @@ if [ "${MSA_PYTHON:-0}" = "1" ]; then
     --no-deps --upgrade --target "$SITE" -C cmake.define.MSA_ENABLE_CUDA=ON -C build-dir="$BUILD/python-build" \
     "$ROOT" > "$OUT/python_build.log" 2>&1
   note "python package build: rc $?"
-  PYTHONPATH=$SITE PYTHONUNBUFFERED=1 timeout 300 python3 -m pytest -q -rs -p no:cacheprovider "$ROOT/tests/python" \
+  PYTHONPATH=$SITE PYTHONUNBUFFERED=1 timeout 300 python3 -m pytest -q -rs -p no:cacheprovider ${MSA_PYTEST_PATHS:-"$ROOT/tests/python"} \
     > "$OUT/pytest.log" 2>&1
   note "python tests: rc $? ($(tail -1 "$OUT/pytest.log"))"
   PYTHONPATH=$SITE PYTHONUNBUFFERED=1 timeout 200 python3 "$ROOT/bench/peers.py" \
