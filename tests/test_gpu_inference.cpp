@@ -82,6 +82,20 @@ struct GpuOutputs {
   PagedOutputs host() const { return {topk.host(), out.host(), lse.host()}; }
 };
 
+// GPU indexer + attention (paged_forward) into `o`.
+void gpu_paged_forward(const InferencePlan& plan, const DeviceCase& d, GpuOutputs& o, const RunOptions& opt = {}) {
+  PagedIndexerParams ip;
+  ip.index_q = d.index_q.view();
+  ip.index_k_cache = d.index_k_cache.view();
+  ip.topk = o.topk.view();
+  PagedAttentionParams ap;
+  ap.q = d.q.view();
+  ap.kv = d.cache();
+  ap.out = o.out.view();
+  ap.lse = o.lse.view();
+  paged_forward(plan, ip, ap, opt);
+}
+
 // GPU indexer only.
 HostTensor gpu_indexer(const PagedCase& c, const DeviceCase& d, const InferencePlan& plan) {
   DeviceTensor topk(DType::i32, {c.topo.num_index_heads, c.total_q(), 16});
@@ -437,16 +451,7 @@ TEST(GpuInference, PagedForwardAgainstOracle) {
   DeviceCase d(c);
   const InferencePlan plan = gpu_plan(c, 2);
   GpuOutputs o(c, DType::bf16);
-  PagedIndexerParams ip;
-  ip.index_q = d.index_q.view();
-  ip.index_k_cache = d.index_k_cache.view();
-  ip.topk = o.topk.view();
-  PagedAttentionParams ap;
-  ap.q = d.q.view();
-  ap.kv = d.cache();
-  ap.out = o.out.view();
-  ap.lse = o.lse.view();
-  paged_forward(plan, ip, ap);
+  gpu_paged_forward(plan, d, o);
   const PagedOutputs h = o.host();
   check_paged_selection(c, h.topk);
   check_paged_attention(c, h);
@@ -506,20 +511,11 @@ TEST(GpuInference, DecodeStepGraphReplayWithNewContents) {
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   RunOptions opt;
   opt.stream = stream;
-  PagedIndexerParams ip;
-  ip.index_q = d.index_q.view();
-  ip.index_k_cache = d.index_k_cache.view();
-  ip.topk = o.topk.view();
-  PagedAttentionParams ap;
-  ap.q = d.q.view();
-  ap.kv = d.cache();
-  ap.out = o.out.view();
-  ap.lse = o.lse.view();
-  paged_forward(plan, ip, ap, opt);  // warm-up outside the capture (kernel attributes)
+  gpu_paged_forward(plan, d, o, opt);  // warm-up outside the capture (kernel attributes)
   CHECK_CUDA(cudaStreamSynchronize(stream));
   cudaGraph_t graph;
   CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  paged_forward(plan, ip, ap, opt);
+  gpu_paged_forward(plan, d, o, opt);
   CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
   cudaGraphExec_t exec;
   CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
@@ -555,16 +551,7 @@ TEST(GpuInference, DecodeIsBitwiseRepeatable) {
   PagedOutputs first;
   for (int rep = 0; rep < 10; ++rep) {
     GpuOutputs o(c, DType::bf16);
-    PagedIndexerParams ip;
-    ip.index_q = d.index_q.view();
-    ip.index_k_cache = d.index_k_cache.view();
-    ip.topk = o.topk.view();
-    PagedAttentionParams ap;
-    ap.q = d.q.view();
-    ap.kv = d.cache();
-    ap.out = o.out.view();
-    ap.lse = o.lse.view();
-    paged_forward(plan, ip, ap);
+    gpu_paged_forward(plan, d, o);
     PagedOutputs h = o.host();
     if (rep == 0) {
       first = std::move(h);
