@@ -497,6 +497,38 @@ TEST(GpuInference, StridedCombinedKvCache) {
   }
 }
 
+TEST(GpuInference, MisalignedRowsAreRefusedBeforeAnythingIsWritten) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  const PagedCase c = make_decode_case(rng, Topology::minimax_m3(2), {700, 140}, 4);
+  DeviceCase d(c);
+  const InferencePlan plan = gpu_plan(c, 2);
+  GpuOutputs o(c, DType::bf16);
+  const HostTensor before = o.topk.host();
+  auto unchanged = [&] {
+    const HostTensor now = o.topk.host();
+    return std::memcmp(now.data<int32_t>(), before.data<int32_t>(), size_t(before.numel()) * 4) == 0;
+  };
+  PagedIndexerParams ip;
+  ip.index_q = d.index_q.view();
+  ip.index_k_cache = d.index_k_cache.view();
+  ip.topk = o.topk.view();
+  PagedAttentionParams ap;
+  ap.q = d.q.view();
+  ap.kv = d.cache();
+  ap.out = o.out.view();
+  ap.lse = o.lse.view();
+  // V rows starting 2 bytes late (a view one element into the cache): refused by paged_forward
+  // before its indexer half writes topk.
+  ap.kv.v.data = static_cast<uint8_t*>(ap.kv.v.data) + 2;
+  expect_error([&] { paged_forward(plan, ip, ap); },
+               {"v_cache on CUDA must have every row start at a 16-byte aligned address", "offset 2 mod 16"});
+  EXPECT_TRUE(unchanged()) << "topk was written by a call that threw";
+  ap.kv = d.cache();
+  ip.index_k_cache.data = static_cast<uint8_t*>(ip.index_k_cache.data) + 2;
+  expect_error([&] { paged_indexer(plan, ip); }, {"index_k_cache on CUDA must have every row start at a 16-byte"});
+}
+
 #if MSA_WITH_CUDA
 #define CHECK_CUDA(call) ASSERT_EQ((call), cudaSuccess) << #call
 

@@ -17,7 +17,9 @@
 //   * Top-k entries are request-local logical page ids (= block ids); valid entries form a
 //     prefix, are unique, lie in [0, pos / 128]; producers put the local page last.
 //   * Cache views may have any int64 strides; only the last dimension must be contiguous
-//     (e.g. K and V as the two halves of a combined [pages, Hkv, 128, 256] cache).
+//     (e.g. K and V as the two halves of a combined [pages, Hkv, 128, 256] cache). On CUDA the
+//     rows of q, the K / V caches and the index-K cache must start at 16-byte aligned
+//     addresses (NVFP4 block scales: 8-byte), which such views keep.
 //   * A call that throws msa::Error has not written to any output.
 #pragma once
 

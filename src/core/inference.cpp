@@ -169,11 +169,30 @@ void check_pages_cover(int64_t pages, const InferencePlan& plan, const char* nam
                  plan.max_physical_page));
 }
 
+// The CUDA paged kernels copy cache and query rows in 16-byte pieces (NVFP4 block scales in
+// 8-byte pieces): on CUDA, every row of `t` must start at such an aligned address.
+void check_rows_aligned(const TensorView& t, const char* name, int bytes) {
+  if (!on_cuda(t)) return;
+  const int64_t elem = dtype_size(t.dtype);
+  const auto address = reinterpret_cast<uintptr_t>(t.data);
+  bool ok = address % uintptr_t(bytes) == 0;
+  std::string strides;
+  for (int d = 0; d + 1 < t.rank; ++d) {
+    ok = ok && (t.stride[d] * elem) % bytes == 0;
+    strides += concat(d ? ", " : "", t.stride[d]);
+  }
+  require(ok, concat(name, " on CUDA must have every row start at a ", bytes, "-byte aligned address (data pointer and "
+                     "every row stride a multiple of ", bytes, " bytes), got a data pointer at offset ",
+                     address % uintptr_t(bytes), " mod ", bytes, " and row strides [", strides, "] of ", elem,
+                     "-byte elements"));
+}
+
 void check_indexer(const InferencePlan& plan, const PagedIndexerParams& p, Device dev) {
   const Topology& t = plan.topo;
   const Dim Tq(plan.total_q, plan.phase == InferencePhase::decode ? "batch * Q" : "total_q");
   check_view(p.index_q, "index_q", {DType::bf16, DType::f8e4m3}, {Tq, Dim(t.num_index_heads, "Hi"), Dim(kHeadDim)}, dev);
   check_index_cache(p.index_k_cache, dev);
+  check_rows_aligned(p.index_k_cache, "index_k_cache", 16);
   check_pages_cover(p.index_k_cache.shape[0], plan, "index_k_cache");
   detail::check_tensor(p.topk, "topk", {DType::i32}, {Dim(t.num_index_heads, "Hi"), Tq, Dim(kTopk)}, dev);
 }
@@ -183,6 +202,13 @@ void check_attention_tensors(const InferencePlan& plan, const PagedAttentionPara
   const Dim Tq(plan.total_q, plan.phase == InferencePhase::decode ? "batch * Q" : "total_q");
   check_view(p.q, "q", {DType::bf16}, {Tq, Dim(t.num_q_heads, "Hq"), Dim(kHeadDim)}, dev);
   const int64_t pages = check_cache(p.kv, t.num_kv_heads, dev);
+  check_rows_aligned(p.q, "q", 16);
+  check_rows_aligned(p.kv.k, "k_cache", 16);
+  check_rows_aligned(p.kv.v, "v_cache", 16);
+  if (p.kv.format == KvFormat::nvfp4) {
+    check_rows_aligned(p.kv.k_block_scale, "k_block_scale", 8);
+    check_rows_aligned(p.kv.v_block_scale, "v_block_scale", 8);
+  }
   check_pages_cover(pages, plan, "k_cache");
   detail::check_tensor(p.out, "out", {DType::bf16, DType::f32}, {Tq, Dim(t.num_q_heads, "Hq"), Dim(kHeadDim)}, dev);
   detail::check_tensor(p.lse, "lse", {DType::f32}, {Tq, Dim(t.num_q_heads, "Hq")}, dev);

@@ -455,13 +455,7 @@ void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, c
   const int splits = decode ? plan.num_kv_splits : 1;
   const int64_t elem = c.format == KvFormat::bf16 ? 2 : 1;
 
-  using detail::require;
-  require(rows_aligned16(p.q.data, 2, {p.q.stride[0], p.q.stride[1]}),
-          "paged_attention (CUDA): q rows must start at 16-byte aligned addresses");
-  require(rows_aligned16(c.k.data, elem, {c.k.stride[0], c.k.stride[1], c.k.stride[2]}) &&
-              rows_aligned16(c.v.data, elem, {c.v.stride[0], c.v.stride[1], c.v.stride[2]}),
-          "paged_attention (CUDA): K / V cache rows must start at 16-byte aligned addresses");
-
+  // Row alignment (16 bytes, block scales 8) was checked in src/core/inference.cpp.
   AttnArgs a{};
   a.q = p.q.as<const __nv_bfloat16>();
   a.q_s0 = p.q.stride[0];
@@ -475,11 +469,6 @@ void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, c
   a.v_s1 = c.v.stride[1] * elem;
   a.v_s2 = c.v.stride[2] * elem;
   if (c.format == KvFormat::nvfp4) {
-    const auto aligned8 = [](const TensorView& t) {
-      return reinterpret_cast<uintptr_t>(t.data) % 8 == 0 && t.stride[0] % 8 == 0 && t.stride[1] % 8 == 0 && t.stride[2] % 8 == 0;
-    };
-    require(aligned8(c.k_block_scale) && aligned8(c.v_block_scale),
-            "paged_attention (CUDA): NVFP4 block-scale rows must start at 8-byte aligned addresses");
     a.ksf = static_cast<const uint8_t*>(c.k_block_scale.data);
     a.vsf = static_cast<const uint8_t*>(c.v_block_scale.data);
     a.ksf_s0 = c.k_block_scale.stride[0];

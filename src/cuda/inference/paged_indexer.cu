@@ -302,9 +302,7 @@ void paged_indexer(const InferencePlan& plan, const PagedIndexerParams& p, const
   const int64_t score_stride = scratch.shape[1] / hi;
   detail::require(chunk_rows > 0 && score_stride >= pages - 1,
                   "paged_indexer: the plan's scratch does not fit this plan (build the plan on the CUDA device)");
-  const int64_t k_elem = k_fp8 ? 1 : 2;
-  detail::require(rows_aligned16(p.index_k_cache.data, k_elem, {p.index_k_cache.stride[0], p.index_k_cache.stride[1]}),
-                  "paged_indexer (CUDA): index_k_cache rows must start at 16-byte aligned addresses");
+  // index_k_cache rows are 16-byte aligned (checked in src/core/inference.cpp).
 
   ScoreArgs sa{};
   sa.q = static_cast<const uint8_t*>(p.index_q.data);

@@ -67,14 +67,6 @@ __device__ __forceinline__ void cp_async8(uint32_t dst, const void* src, int src
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
 }
 
-// Host side: whether a pointer and element strides keep every row start 16-byte aligned.
-inline bool rows_aligned16(const void* p, int64_t elem_bytes, std::initializer_list<int64_t> strides) {
-  if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
-  for (int64_t s : strides)
-    if ((s * elem_bytes) % 16 != 0) return false;
-  return true;
-}
-
 // The per-tensor scale of a cache side as a device pointer (nullptr: 1) and the per-(head,
 // token) scale pointer / head stride (nullptr: none).
 struct KvSideScales {
