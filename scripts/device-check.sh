@@ -126,4 +126,6 @@ cat "$SUMMARY"
 echo
 [ -f "$OUT/bench.log" ] && sed -n '/^ *tokens/,$p' "$OUT/bench.log"
 [ -f "$OUT/decode.log" ] && { echo; grep -v "^\[msa" "$OUT/decode.log" | tail -25; }
+# The peer table goes to stdout too: only a few files of OUTDIR may come back from a remote run.
+[ -f "$OUT/peers.log" ] && { echo; tail -30 "$OUT/peers.log"; }
 exit $TEST_RC
