@@ -40,21 +40,38 @@ inline void transpose_page(const float* rows, float* dst) {
         for (int t = t0; t < t0 + kTile; ++t) dst[d * kPageSize + t] = rows[t * kHeadDim + d];
 }
 
+// One side (K or V) of a validated paged cache: its codes, block scales and how its f32
+// scales apply. Shared by the row reader and the row writer.
+struct KvCacheSide {
+  KvCacheSide(const PagedKvCache& cache, bool value_side)
+      : format(cache.format),
+        data(value_side ? cache.v : cache.k),
+        block_scale(value_side ? cache.v_block_scale : cache.k_block_scale),
+        mode(kv_scale_mode(cache)) {
+    const TensorView& scale = value_side ? cache.v_scale : cache.k_scale;
+    if (mode == KvScaleMode::per_tensor) tensor_scale = *scale.as<const float>();
+    if (mode == KvScaleMode::per_head_token) {
+      token_scale = scale.as<float>();
+      token_scale_stride = scale.stride[0];
+    }
+  }
+  // The per-(head, token) scale of (physical page, kv head, offset) (per_head_token only).
+  float& token_scale_at(int64_t page, int head, int offset) const {
+    return token_scale[head * token_scale_stride + page * kPageSize + offset];
+  }
+
+  KvFormat format;
+  TensorView data, block_scale;
+  KvScaleMode mode;
+  float tensor_scale = 1.0f;  // per-tensor scale (fp8) or global scale (nvfp4); 1 when absent
+  float* token_scale = nullptr;
+  int64_t token_scale_stride = 0;
+};
+
 // Reads dequantised rows of one side (K or V) of a validated paged cache.
 class KvRowReader {
  public:
-  KvRowReader(const PagedKvCache& cache, bool value_side) {
-    format_ = cache.format;
-    data_ = value_side ? cache.v : cache.k;
-    block_scale_ = value_side ? cache.v_block_scale : cache.k_block_scale;
-    const TensorView& scale = value_side ? cache.v_scale : cache.k_scale;
-    mode_ = kv_scale_mode(cache);
-    if (mode_ == KvScaleMode::per_tensor) tensor_scale_ = *scale.as<const float>();
-    if (mode_ == KvScaleMode::per_head_token) {
-      token_scale_ = scale.as<const float>();
-      token_scale_stride_ = scale.stride[0];
-    }
-  }
+  KvRowReader(const PagedKvCache& cache, bool value_side) : side_(cache, value_side) {}
 
   // Rows [offset, offset + n) of (physical page, kv head) into dst [n, 128] fp32.
   void rows(int64_t page, int head, int offset, int n, float* dst) const {
@@ -71,28 +88,27 @@ class KvRowReader {
 
   // One dequantised row of (physical page, kv head, offset) into dst [128] fp32.
   void row(int64_t page, int head, int offset, float* dst) const {
-    const int64_t base = offset4(data_, page, head, offset);
-    switch (format_) {
+    const int64_t base = offset4(side_.data, page, head, offset);
+    switch (side_.format) {
       case KvFormat::bf16: {
-        const uint16_t* s = data_.as<const uint16_t>() + base;
+        const uint16_t* s = side_.data.as<const uint16_t>() + base;
         for (int d = 0; d < kHeadDim; ++d) dst[d] = bf16_to_float(s[d]);
         return;
       }
       case KvFormat::fp8_e4m3: {
-        const uint8_t* s = data_.as<const uint8_t>() + base;
-        float scale = tensor_scale_;
-        if (mode_ == KvScaleMode::per_head_token)
-          scale = token_scale_[head * token_scale_stride_ + page * kPageSize + offset];
+        const uint8_t* s = side_.data.as<const uint8_t>() + base;
+        const float scale =
+            side_.mode == KvScaleMode::per_head_token ? side_.token_scale_at(page, head, offset) : side_.tensor_scale;
         for (int d = 0; d < kHeadDim; ++d) dst[d] = e4m3_to_float(s[d]) * scale;
         return;
       }
       case KvFormat::nvfp4: {
-        const uint8_t* s = data_.as<const uint8_t>() + base;
-        const uint8_t* sf = block_scale_.as<const uint8_t>() + offset4(block_scale_, page, head, offset);
+        const uint8_t* s = side_.data.as<const uint8_t>() + base;
+        const uint8_t* sf = side_.block_scale.as<const uint8_t>() + offset4(side_.block_scale, page, head, offset);
         for (int d = 0; d < kHeadDim; d += 2) {
           const uint8_t byte = s[d / 2], scale = sf[d / kNvfp4GroupSize];
-          dst[d] = nvfp4_element(byte & 0xf, scale) * tensor_scale_;
-          dst[d + 1] = nvfp4_element(byte >> 4, scale) * tensor_scale_;
+          dst[d] = nvfp4_element(byte & 0xf, scale) * side_.tensor_scale;
+          dst[d + 1] = nvfp4_element(byte >> 4, scale) * side_.tensor_scale;
         }
         return;
       }
@@ -100,12 +116,7 @@ class KvRowReader {
   }
 
  private:
-  KvFormat format_ = KvFormat::bf16;
-  TensorView data_, block_scale_;
-  KvScaleMode mode_ = KvScaleMode::none;
-  float tensor_scale_ = 1.0f;
-  const float* token_scale_ = nullptr;
-  int64_t token_scale_stride_ = 0;
+  KvCacheSide side_;
 };
 
 // All 128 index-K rows of a physical page transposed into dst [128 dims, 128 tokens] fp32;

@@ -25,46 +25,35 @@ uint8_t float_to_e2m1(float v) {
 // Writes one dequantised 128-row into (page, head, offset) of one side of the cache.
 class KvRowWriter {
  public:
-  KvRowWriter(const PagedKvCache& cache, bool value_side) {
-    format_ = cache.format;
-    data_ = value_side ? cache.v : cache.k;
-    block_scale_ = value_side ? cache.v_block_scale : cache.k_block_scale;
-    const TensorView& scale = value_side ? cache.v_scale : cache.k_scale;
-    mode_ = kv_scale_mode(cache);
-    if (mode_ == KvScaleMode::per_tensor) tensor_scale_ = *scale.as<const float>();
-    if (mode_ == KvScaleMode::per_head_token) {
-      token_scale_ = scale.as<float>();
-      token_scale_stride_ = scale.stride[0];
-    }
-  }
+  KvRowWriter(const PagedKvCache& cache, bool value_side) : side_(cache, value_side) {}
 
   void write(int64_t page, int head, int offset, const float* x) const {
-    const int64_t base = offset4(data_, page, head, offset);
-    switch (format_) {
+    const int64_t base = offset4(side_.data, page, head, offset);
+    switch (side_.format) {
       case KvFormat::bf16: {
-        uint16_t* d = data_.as<uint16_t>() + base;
+        uint16_t* d = side_.data.as<uint16_t>() + base;
         for (int i = 0; i < kHeadDim; ++i) d[i] = float_to_bf16(x[i]);
         return;
       }
       case KvFormat::fp8_e4m3: {
-        float scale = tensor_scale_;
-        if (mode_ == KvScaleMode::per_head_token) {
+        float scale = side_.tensor_scale;
+        if (side_.mode == KvScaleMode::per_head_token) {
           float amax = 0;
           for (int i = 0; i < kHeadDim; ++i) amax = std::max(amax, std::fabs(x[i]));
           scale = amax > 0 ? amax / 448.0f : 1.0f;
-          token_scale_[head * token_scale_stride_ + page * kPageSize + offset] = scale;
+          side_.token_scale_at(page, head, offset) = scale;
         }
-        uint8_t* d = data_.as<uint8_t>() + base;
+        uint8_t* d = side_.data.as<uint8_t>() + base;
         for (int i = 0; i < kHeadDim; ++i) d[i] = float_to_e4m3(x[i] / scale);
         return;
       }
       case KvFormat::nvfp4: {
-        uint8_t* d = data_.as<uint8_t>() + base;
-        uint8_t* sf = block_scale_.as<uint8_t>() + offset4(block_scale_, page, head, offset);
+        uint8_t* d = side_.data.as<uint8_t>() + base;
+        uint8_t* sf = side_.block_scale.as<uint8_t>() + offset4(side_.block_scale, page, head, offset);
         for (int g = 0; g < kHeadDim / kNvfp4GroupSize; ++g) {
           float y[kNvfp4GroupSize], amax = 0;
           for (int i = 0; i < kNvfp4GroupSize; ++i) {
-            y[i] = x[g * kNvfp4GroupSize + i] / tensor_scale_;
+            y[i] = x[g * kNvfp4GroupSize + i] / side_.tensor_scale;
             amax = std::max(amax, std::fabs(y[i]));
           }
           const uint8_t scale_code = float_to_e4m3(amax / 6.0f);
@@ -82,12 +71,7 @@ class KvRowWriter {
   }
 
  private:
-  KvFormat format_ = KvFormat::bf16;
-  TensorView data_, block_scale_;
-  KvScaleMode mode_ = KvScaleMode::none;
-  float tensor_scale_ = 1.0f;
-  float* token_scale_ = nullptr;
-  int64_t token_scale_stride_ = 0;
+  KvCacheSide side_;
 };
 
 }  // namespace
