@@ -8,6 +8,7 @@
 // edge's dQ goes to its partial slot (bf16) and each chunk's dK, dV to its own fp32 slot;
 // fixed-order reductions finish both.
 #include "backend.h"
+#include "cuda/chunk_query.cuh"
 #include "cuda/common.cuh"
 #include "cuda/device.cuh"
 #include "cuda/reduce.cuh"
@@ -67,20 +68,9 @@ __global__ void __launch_bounds__(kThreads, 1) backward_chunks_kernel(const Back
     const int64_t kv_off = (int64_t(d.k_start + key0) * a.Hkv + g) * 128;
     const int64_t edge0 = int64_t(g) * a.total_q * 16 + q_begin;
     auto load_sub = [&](int sub) {
-      const int qi = sub * 8 + warp;
-      const bool valid = qi < q_count;
-      int row = 0;
-      if (valid) {
-        const int ql = a.q_indices[edge0 + qi];
-        row = d.q_start + ql;
-        if (lane == 0) {
-          meta[4 * warp] = row;
-          meta[4 * warp + 1] = a.split_slot[edge0 + qi];
-          meta[4 * warp + 2] = d.k_len - d.q_len + ql - key0;
-        }
-      } else if (lane == 0) {
-        meta[4 * warp] = -1;
-      }
+      int row;
+      const bool valid =
+          chunk_query(a.q_indices, a.split_slot, edge0, sub * 8 + warp, q_count, d, key0, meta, warp, lane, row);
       const int64_t off = (int64_t(row) * a.Hq + 16 * g) * 128;
       load_tile_async(qs, 128, r16, a.q + off, 128, 16, valid ? 16 : 0, lane, 32);
       load_tile_async(dos, 128, r16, a.dout + off, 128, 16, valid ? 16 : 0, lane, 32);

@@ -8,6 +8,7 @@
 // Default mode: fp32 atomics. Deterministic mode: per-edge slots for d index_q and per-chunk
 // slots for d index_k, reduced in a fixed order.
 #include "backend.h"
+#include "cuda/chunk_query.cuh"
 #include "cuda/common.cuh"
 #include "cuda/device.cuh"
 #include "cuda/reduce.cuh"
@@ -84,20 +85,9 @@ __global__ void __launch_bounds__(kThreads, 1) kl_chunks_kernel(const KlArgs a) 
     const int nsub = (q_count + 7) / 8;
     for (int sub = 0; sub < nsub; ++sub) {
       {  // load the 8 queries: Q (16 heads) and the index query of warp w's query
-        const int qi = sub * 8 + warp;
-        const bool valid = qi < q_count;
-        int row = 0;
-        if (valid) {
-          const int ql = a.q_indices[edge0 + qi];
-          row = d.q_start + ql;
-          if (lane == 0) {
-            meta[4 * warp] = row;
-            meta[4 * warp + 1] = a.split_slot[edge0 + qi];
-            meta[4 * warp + 2] = d.k_len - d.q_len + ql - key0;
-          }
-        } else if (lane == 0) {
-          meta[4 * warp] = -1;
-        }
+        int row;
+        const bool valid =
+            chunk_query(a.q_indices, a.split_slot, edge0, sub * 8 + warp, q_count, d, key0, meta, warp, lane, row);
         load_tile_async(qs, 128, r16, a.q + (int64_t(row) * a.Hq + 16 * g) * 128, 128, 16, valid ? 16 : 0, lane, 32);
         if (lane < 16) {
           const __nv_bfloat16* src = a.iq + (int64_t(row) * Hi + g) * 128 + lane * 8;
