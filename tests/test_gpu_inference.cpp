@@ -8,6 +8,7 @@
 
 #if MSA_WITH_CUDA
 #include <cmath>
+#include <utility>
 #include <cuda_runtime.h>
 #endif
 
@@ -82,8 +83,8 @@ struct GpuOutputs {
   PagedOutputs host() const { return {topk.host(), out.host(), lse.host()}; }
 };
 
-// GPU indexer + attention (paged_forward) into `o`.
-void gpu_paged_forward(const InferencePlan& plan, const DeviceCase& d, GpuOutputs& o, const RunOptions& opt = {}) {
+// paged_forward's parameters for a device case writing into `o`.
+std::pair<PagedIndexerParams, PagedAttentionParams> paged_forward_params(const DeviceCase& d, const GpuOutputs& o) {
   PagedIndexerParams ip;
   ip.index_q = d.index_q.view();
   ip.index_k_cache = d.index_k_cache.view();
@@ -93,6 +94,12 @@ void gpu_paged_forward(const InferencePlan& plan, const DeviceCase& d, GpuOutput
   ap.kv = d.cache();
   ap.out = o.out.view();
   ap.lse = o.lse.view();
+  return {ip, ap};
+}
+
+// GPU indexer + attention (paged_forward) into `o`.
+void gpu_paged_forward(const InferencePlan& plan, const DeviceCase& d, GpuOutputs& o, const RunOptions& opt = {}) {
+  const auto [ip, ap] = paged_forward_params(d, o);
   paged_forward(plan, ip, ap, opt);
 }
 
@@ -509,15 +516,7 @@ TEST(GpuInference, MisalignedRowsAreRefusedBeforeAnythingIsWritten) {
     const HostTensor now = o.topk.host();
     return std::memcmp(now.data<int32_t>(), before.data<int32_t>(), size_t(before.numel()) * 4) == 0;
   };
-  PagedIndexerParams ip;
-  ip.index_q = d.index_q.view();
-  ip.index_k_cache = d.index_k_cache.view();
-  ip.topk = o.topk.view();
-  PagedAttentionParams ap;
-  ap.q = d.q.view();
-  ap.kv = d.cache();
-  ap.out = o.out.view();
-  ap.lse = o.lse.view();
+  auto [ip, ap] = paged_forward_params(d, o);
   // V rows starting 2 bytes late (a view one element into the cache): refused by paged_forward
   // before its indexer half writes topk.
   ap.kv.v.data = static_cast<uint8_t*>(ap.kv.v.data) + 2;
