@@ -159,20 +159,9 @@ TEST(GpuAllocator, IndexerPlanAndForwardCaptureInOneGraph) {
   RunOptions opt;
   opt.stream = stream;
 
-  DeviceTensor iq(DType::bf16, {Tq, 1, 128}), ik(DType::bf16, {Tk, 1, 128}), topk(DType::i32, {1, Tq, 16}),
-      q(DType::bf16, {Tq, 16, 128}), k(DType::bf16, {Tk, 1, 128}), v(DType::bf16, {Tk, 1, 128}),
-      out(DType::bf16, {Tq, 16, 128}), lse(DType::f32, {Tq, 16});
-  SelectBlocksParams sp;
-  sp.index_q = iq.view();
-  sp.index_k = ik.view();
-  sp.topk = topk.view();
-  AttentionForwardParams fp;
-  fp.q = q.view();
-  fp.k = k.view();
-  fp.v = v.view();
-  fp.topk = topk.view();
-  fp.out = out.view();
-  fp.lse = lse.view();
+  SelectForwardBuffers b(topo, Tq, Tk);
+  const SelectBlocksParams sp = b.select_params(false);
+  const AttentionForwardParams fp = b.forward_params(b.topk.view());
   synchronize(kGpu);
 
   set_device_allocator({arena_allocate, arena_deallocate, &arena});
@@ -180,7 +169,7 @@ TEST(GpuAllocator, IndexerPlanAndForwardCaptureInOneGraph) {
   CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
   try {
     select_blocks(topo, L, sp, opt);
-    const SparsePlan plan = build_plan(topo, L, topk.view(), {}, opt);  // planned on every replay
+    const SparsePlan plan = build_plan(topo, L, b.topk.view(), {}, opt);  // planned on every replay
     sparse_attention_forward(topo, L, plan, fp, opt);
   } catch (const std::exception& e) {
     cudaGraph_t broken;
@@ -198,26 +187,18 @@ TEST(GpuAllocator, IndexerPlanAndForwardCaptureInOneGraph) {
     const HostTensor hiq = random_tensor(rng, {Tq, 1, 128}), hik = random_tensor(rng, {Tk, 1, 128});
     AttentionCase c{topo, L, random_tensor(rng, {Tq, 16, 128}), random_tensor(rng, {Tk, 1, 128}),
                     random_tensor(rng, {Tk, 1, 128}), HostTensor(), SparsePlan{}};
-    iq.upload(hiq);
-    ik.upload(hik);
-    q.upload(c.q);
-    k.upload(c.k);
-    v.upload(c.v);
-    topk.poison();
-    out.poison();
-    lse.poison();
-    synchronize(kGpu);
+    b.refill(hiq, hik, c);
     CHECK_CUDA(cudaGraphLaunch(exec, stream));
     CHECK_CUDA(cudaStreamSynchronize(stream));
     // The CPU forward on the selection the replay made (near-ties may pick other blocks than
     // the CPU indexer would; the attention must match for the selection used).
-    c.topk = topk.host();
+    c.topk = b.topk.host();
     c.plan = build_plan(topo, L, c.topk.view());
     const ForwardOutputs want = run_forward(c);
-    const auto go = out.host().floats();
+    const auto go = b.out.host().floats();
     ASSERT_EQ(count_nan(go), 0) << "NaN in the replayed output (invalid plan or unwritten rows)";
     expect_rel_l2("out", go, doubles(want.out.floats()), 1e-2);
-    expect_close("lse", lse.host().floats(), doubles(want.lse.floats()), 1e-3, 1e-3);
+    expect_close("lse", b.lse.host().floats(), doubles(want.lse.floats()), 1e-3, 1e-3);
   }
   CHECK_CUDA(cudaGraphExecDestroy(exec));
   CHECK_CUDA(cudaGraphDestroy(graph));

@@ -39,21 +39,9 @@ TEST(GpuGraph, SelectAndForwardReplayWithNewContents) {
   synchronize(kGpu);  // uploads ran on the legacy stream; the work below runs on `stream`
   const SparsePlan plan = build_plan(topo, L, plan_topk.view(), {}, opt);
 
-  DeviceTensor iq(DType::bf16, {Tq, 4, 128}), ik(DType::bf16, {Tk, 1, 128}), topk(DType::i32, {4, Tq, 16}),
-      sel_lse(DType::f32, {4, Tq}), q(DType::bf16, {Tq, 64, 128}), k(DType::bf16, {Tk, 4, 128}), v(DType::bf16, {Tk, 4, 128}),
-      out(DType::bf16, {Tq, 64, 128}), lse(DType::f32, {Tq, 64});
-  SelectBlocksParams sp;
-  sp.index_q = iq.view();
-  sp.index_k = ik.view();
-  sp.topk = topk.view();
-  sp.selected_lse = sel_lse.view();
-  AttentionForwardParams fp;
-  fp.q = q.view();
-  fp.k = k.view();
-  fp.v = v.view();
-  fp.topk = plan_topk.view();
-  fp.out = out.view();
-  fp.lse = lse.view();
+  SelectForwardBuffers b(topo, Tq, Tk);
+  const SelectBlocksParams sp = b.select_params(true);
+  const AttentionForwardParams fp = b.forward_params(plan_topk.view());
   CHECK_CUDA(cudaStreamSynchronize(stream));
 
   cudaGraph_t graph;
@@ -70,22 +58,14 @@ TEST(GpuGraph, SelectAndForwardReplayWithNewContents) {
     AttentionCase c{topo, L, random_tensor(rng, {Tq, 64, 128}), random_tensor(rng, {Tk, 4, 128}),
                     random_tensor(rng, {Tk, 4, 128}), HostTensor(sel0.topk), SparsePlan{}};
     c.plan = build_plan(topo, L, c.topk.view());
-    iq.upload(hiq);
-    ik.upload(hik);
-    q.upload(c.q);
-    k.upload(c.k);
-    v.upload(c.v);
-    topk.poison();
-    out.poison();
-    lse.poison();
-    synchronize(kGpu);
+    b.refill(hiq, hik, c);
     CHECK_CUDA(cudaGraphLaunch(exec, stream));
     CHECK_CUDA(cudaStreamSynchronize(stream));
 
     const Selection want_sel = cpu_select(topo, L, hiq, hik, false);
-    EXPECT_LE(rows_differing(topk.host(), want_sel.topk), 4 * Tq / 100) << "the replayed indexer did not use the new contents";
+    EXPECT_LE(rows_differing(b.topk.host(), want_sel.topk), 4 * Tq / 100) << "the replayed indexer did not use the new contents";
     const ForwardOutputs want = run_forward(c);
-    const auto go = out.host().floats(), gl = lse.host().floats();
+    const auto go = b.out.host().floats(), gl = b.lse.host().floats();
     ASSERT_EQ(count_nan(go), 0);
     expect_rel_l2("out", go, doubles(want.out.floats()), 1e-2);
     expect_close("lse", gl, doubles(want.lse.floats()), 1e-3, 1e-3);

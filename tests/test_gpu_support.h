@@ -108,6 +108,48 @@ inline ForwardOutputs gpu_forward(const AttentionCase& c, const SparsePlan& gpla
   return {out.host(), lse.host()};
 }
 
+// Device buffers of a select_blocks + forward step that a CUDA graph captures once and
+// replays with new contents (test_gpu_graph.cpp, test_allocator.cpp).
+struct SelectForwardBuffers {
+  DeviceTensor iq, ik, topk, sel_lse, q, k, v, out, lse;
+  SelectForwardBuffers(const Topology& t, int64_t Tq, int64_t Tk)
+      : iq(DType::bf16, {Tq, t.num_index_heads, 128}), ik(DType::bf16, {Tk, 1, 128}),
+        topk(DType::i32, {t.num_index_heads, Tq, 16}), sel_lse(DType::f32, {t.num_index_heads, Tq}),
+        q(DType::bf16, {Tq, t.num_q_heads, 128}), k(DType::bf16, {Tk, t.num_kv_heads, 128}),
+        v(DType::bf16, {Tk, t.num_kv_heads, 128}), out(DType::bf16, {Tq, t.num_q_heads, 128}),
+        lse(DType::f32, {Tq, t.num_q_heads}) {}
+  SelectBlocksParams select_params(bool with_selected_lse) const {
+    SelectBlocksParams p;
+    p.index_q = iq.view();
+    p.index_k = ik.view();
+    p.topk = topk.view();
+    if (with_selected_lse) p.selected_lse = sel_lse.view();
+    return p;
+  }
+  AttentionForwardParams forward_params(const TensorView& plan_topk) const {
+    AttentionForwardParams p;
+    p.q = q.view();
+    p.k = k.view();
+    p.v = v.view();
+    p.topk = plan_topk;
+    p.out = out.view();
+    p.lse = lse.view();
+    return p;
+  }
+  // New inputs for the next replay (index vectors and the case's q, k, v); outputs poisoned.
+  void refill(const HostTensor& hiq, const HostTensor& hik, const AttentionCase& c) {
+    iq.upload(hiq);
+    ik.upload(hik);
+    q.upload(c.q);
+    k.upload(c.k);
+    v.upload(c.v);
+    topk.poison();
+    out.poison();
+    lse.poison();
+    synchronize(kGpu);
+  }
+};
+
 // Relative L2 of a GPU tensor against the CPU backend's (both as floats).
 inline double rel_l2(const HostTensor& got, const HostTensor& want) { return relative_l2(got.floats(), doubles(want.floats())); }
 inline double cosine(const HostTensor& got, const HostTensor& want) {
