@@ -98,24 +98,7 @@ __global__ void __launch_bounds__(kThreads, 1) backward_chunks_kernel(const Back
       // S and P for the warp's 16 rows; P (bf16) goes to shared memory, where dS reads it back.
       {
         float s[16][4];
-        if (a.use_wgmma) {
-          wgmma_rows_x128(s, qs, 128, wg_row, ks, 128, 0);
-        } else if (row >= 0) {
-#pragma unroll
-          for (int i = 0; i < 16; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-#pragma unroll
-          for (int kt = 0; kt < 8; ++kt) {
-            uint32_t af[4];
-            load_a(af, qs, 128, r16, kt * 16, lane);
-#pragma unroll
-            for (int np = 0; np < 8; ++np) {
-              uint32_t bf[4];
-              load_b_nk(bf, ks, 128, np * 16, kt * 16, lane);
-              mma_bf16(s[2 * np], af, bf[0], bf[1]);
-              mma_bf16(s[2 * np + 1], af, bf[2], bf[3]);
-            }
-          }
-        }
+        product_rows_x128(s, qs, ks, wg_row, r16, lane, a.use_wgmma, row >= 0);
         const float la = lse_a * kLog2e, lb = lse_b * kLog2e;
 #pragma unroll
         for (int nt = 0; nt < 16; ++nt) {

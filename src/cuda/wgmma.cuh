@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "cuda/device.cuh"
+
 namespace msa::cuda {
 
 // Shared-memory matrix descriptor: 128-byte swizzle, 8-row groups 1024 bytes apart.
@@ -82,6 +84,32 @@ __device__ __forceinline__ void wgmma_rows_x64(float (&d)[8][4], uint32_t a, int
     wgmma_m64n64k16(d, tile_desc(a, a_rows, a_row0, kk), tile_desc(b, b_rows, b_row0, kk), kk > 0);
   wgmma_commit();
   wgmma_wait<0>();
+}
+
+// S (the warp's 16 rows x 128) = rows of tile `a` times the 128 rows of tile `b`, transposed
+// (both 128-row tiles): on wgmma when `use_wgmma` (every warp of the warpgroup takes part;
+// the warpgroup's rows start at wg_row), else on mma.sync for this warp's rows r16.. only,
+// and only when `active` (s is left unset otherwise).
+__device__ __forceinline__ void product_rows_x128(float (&s)[16][4], uint32_t a, uint32_t b, int wg_row, int r16,
+                                                  int lane, bool use_wgmma, bool active) {
+  if (use_wgmma) {
+    wgmma_rows_x128(s, a, 128, wg_row, b, 128, 0);
+  } else if (active) {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+    for (int kt = 0; kt < 8; ++kt) {
+      uint32_t af[4];
+      load_a(af, a, 128, r16, kt * 16, lane);
+#pragma unroll
+      for (int np = 0; np < 8; ++np) {
+        uint32_t bf[4];
+        load_b_nk(bf, b, 128, np * 16, kt * 16, lane);
+        mma_bf16(s[2 * np], af, bf[0], bf[1]);
+        mma_bf16(s[2 * np + 1], af, bf[2], bf[3]);
+      }
+    }
+  }
 }
 
 }  // namespace msa::cuda
