@@ -264,19 +264,6 @@ void launch_prepare(const AttentionBackwardParams& p, int64_t rows, float* delta
   MSA_CUDA_CHECK_LAUNCH("backward_prepare_kernel");
 }
 
-template <typename Out>
-void launch_convert(const float* src, const TensorView& dst, const int32_t* status, cudaStream_t s) {
-  const int64_t n = dst.numel();
-  if (n == 0) return;
-  convert_kernel<Out><<<grid_for(n, 256), 256, 0, s>>>(src, dst.as<Out>(), n, status);
-  MSA_CUDA_CHECK_LAUNCH("convert_kernel");
-}
-
-void convert_out(const float* src, const TensorView& dst, const int32_t* status, cudaStream_t s) {
-  if (dst.dtype == DType::f32) launch_convert<float>(src, dst, status, s);
-  else launch_convert<__nv_bfloat16>(src, dst, status, s);
-}
-
 }  // namespace
 
 void sparse_attention_backward(const Topology& topo, const PackedLayout& L, const SparsePlan& plan,

@@ -219,14 +219,6 @@ __global__ void __launch_bounds__(kThreads, 1) kl_chunks_kernel(const KlArgs a) 
   }
 }
 
-template <typename Out>
-void convert_to(const float* src, const TensorView& dst, const int32_t* status, cudaStream_t s) {
-  const int64_t n = dst.numel();
-  if (n == 0) return;
-  convert_kernel<Out><<<grid_for(n, 256), 256, 0, s>>>(src, dst.as<Out>(), n, status);
-  MSA_CUDA_CHECK_LAUNCH("convert_kernel");
-}
-
 }  // namespace
 
 void kl_backward(const Topology& topo, const PackedLayout& L, const SparsePlan& plan, const KlBackwardParams& p,
@@ -276,10 +268,8 @@ void kl_backward(const Topology& topo, const PackedLayout& L, const SparsePlan& 
   }
   const bool f32q = p.dindex_q.dtype == DType::f32, f32k = p.dindex_k.dtype == DType::f32;
   if (!opt.deterministic) {
-    if (f32q) convert_to<float>(a.dqi_acc, p.dindex_q, status, s);
-    else convert_to<__nv_bfloat16>(a.dqi_acc, p.dindex_q, status, s);
-    if (f32k) convert_to<float>(a.dki_acc, p.dindex_k, status, s);
-    else convert_to<__nv_bfloat16>(a.dki_acc, p.dindex_k, status, s);
+    convert_out(a.dqi_acc, p.dindex_q, status, s);
+    convert_out(a.dki_acc, p.dindex_k, status, s);
     return;
   }
   const int64_t n = Tq * Hi * 128;

@@ -100,5 +100,19 @@ __global__ void gather_keys_kernel(const float* __restrict__ row_sums, const Doc
 
 inline int grid_for(int64_t n, int threads) { return int(std::min<int64_t>(ceil_div(n, threads), int64_t(1) << 30)); }
 
+// Converts an f32 accumulator into `dst` (bf16 or f32) with convert_kernel.
+template <typename Out>
+void launch_convert(const float* src, const TensorView& dst, const int32_t* status, cudaStream_t s) {
+  const int64_t n = dst.numel();
+  if (n == 0) return;
+  convert_kernel<Out><<<grid_for(n, 256), 256, 0, s>>>(src, dst.as<Out>(), n, status);
+  MSA_CUDA_CHECK_LAUNCH("convert_kernel");
+}
+
+inline void convert_out(const float* src, const TensorView& dst, const int32_t* status, cudaStream_t s) {
+  if (dst.dtype == DType::f32) launch_convert<float>(src, dst, status, s);
+  else launch_convert<__nv_bfloat16>(src, dst, status, s);
+}
+
 }  // namespace
 }  // namespace msa::cuda
