@@ -343,8 +343,8 @@ __global__ void forward_merge_kernel(const __nv_bfloat16* __restrict__ part_o, c
     *reinterpret_cast<float4*>(dst) = make_float4(acc[0], acc[1], acc[2], acc[3]);
     *reinterpret_cast<float4*>(dst + 4) = make_float4(acc[4], acc[5], acc[6], acc[7]);
   } else {
-    st_global_v4(dst, make_uint4(pack_bf16(acc[0], acc[1]), pack_bf16(acc[2], acc[3]),
-                                                pack_bf16(acc[4], acc[5]), pack_bf16(acc[6], acc[7])));
+    st_global_v4(dst, make_uint4(pack_bf16(acc[0], acc[1]), pack_bf16(acc[2], acc[3]), pack_bf16(acc[4], acc[5]),
+                                 pack_bf16(acc[6], acc[7])));
   }
   if (chunk == 0) lse[qh] = m;
 }
