@@ -143,6 +143,27 @@ void check_options(const InferencePlanOptions& o) {
   require(o.num_threads >= 0, concat("num_threads must be >= 0 (0 = OpenMP's default), got ", o.num_threads));
 }
 
+// The requests of one step: seq_lens [batch], batch >= 1 (`who` names the planner).
+StepRequests requests_of(const TensorView& seq_lens, const char* who) {
+  detail::check_present(seq_lens, "seq_lens");
+  require(seq_lens.rank == 1, concat("seq_lens must have shape [batch], got ", seq_lens.shape_string()));
+  StepRequests s;
+  s.batch = seq_lens.shape[0];
+  require(s.batch >= 1, concat(who, " requires batch >= 1 (seq_lens of shape [batch]), got batch = 0"));
+  s.seq_lens = host_int32(seq_lens, "seq_lens", {Dim(s.batch, "batch")});
+  return s;
+}
+
+// page_table [batch, max_pages >= 1] of the requests in `s`.
+void read_page_table(const TensorView& page_table, StepRequests& s) {
+  detail::check_present(page_table, "page_table");
+  require(page_table.rank == 2 && page_table.shape[0] == s.batch && page_table.shape[1] >= 1,
+          concat("page_table must have shape [batch, max_pages] = [", s.batch, ", >= 1], got ",
+                 page_table.shape_string()));
+  s.max_pages = page_table.shape[1];
+  s.page_table = host_int32(page_table, "page_table", {Dim(s.batch, "batch"), Dim(s.max_pages, "max_pages")});
+}
+
 }  // namespace
 
 InferencePlan plan_paged_prefill(const Topology& topo, const PagedPrefillMetadata& meta,
@@ -151,19 +172,9 @@ InferencePlan plan_paged_prefill(const Topology& topo, const PagedPrefillMetadat
   check_options(options);
   require(options.num_kv_splits == 0 || options.num_kv_splits == 1,
           concat("num_kv_splits applies to decode only; paged prefill needs 0 or 1, got ", options.num_kv_splits));
-  detail::check_present(meta.seq_lens, "seq_lens");
-  require(meta.seq_lens.rank == 1, concat("seq_lens must have shape [batch], got ", meta.seq_lens.shape_string()));
-  StepRequests s;
-  s.batch = meta.seq_lens.shape[0];
-  require(s.batch >= 1, "paged prefill requires batch >= 1 (seq_lens of shape [batch]), got batch = 0");
-  s.seq_lens = host_int32(meta.seq_lens, "seq_lens", {Dim(s.batch, "batch")});
+  StepRequests s = requests_of(meta.seq_lens, "paged prefill");
   s.cu_q = host_int32(meta.cu_seqlens_q, "cu_seqlens_q", {Dim(s.batch + 1, "batch + 1")});
-  detail::check_present(meta.page_table, "page_table");
-  require(meta.page_table.rank == 2 && meta.page_table.shape[0] == s.batch && meta.page_table.shape[1] >= 1,
-          concat("page_table must have shape [batch, max_pages] = [", s.batch, ", >= 1], got ",
-                 meta.page_table.shape_string()));
-  s.max_pages = meta.page_table.shape[1];
-  s.page_table = host_int32(meta.page_table, "page_table", {Dim(s.batch, "batch"), Dim(s.max_pages, "max_pages")});
+  read_page_table(meta.page_table, s);
   require(s.cu_q[0] == 0, concat("cu_seqlens_q[0] must be 0, got ", s.cu_q[0]));
   for (int64_t b = 0; b < s.batch; ++b) {
     const int64_t q_len = int64_t(s.cu_q[size_t(b) + 1]) - s.cu_q[size_t(b)];
@@ -185,18 +196,8 @@ InferencePlan plan_decode(const Topology& topo, const DecodeMetadata& meta, cons
   const int splits = options.num_kv_splits;
   require(splits == 0 || splits == 1 || splits == 2 || splits == 4 || splits == 8 || splits == 16,
           concat("num_kv_splits must be 0 (automatic), 1, 2, 4, 8 or 16, got ", splits));
-  detail::check_present(meta.seq_lens, "seq_lens");
-  require(meta.seq_lens.rank == 1, concat("seq_lens must have shape [batch], got ", meta.seq_lens.shape_string()));
-  StepRequests s;
-  s.batch = meta.seq_lens.shape[0];
-  require(s.batch >= 1, "decode requires batch >= 1 (seq_lens of shape [batch]), got batch = 0");
-  s.seq_lens = host_int32(meta.seq_lens, "seq_lens", {Dim(s.batch, "batch")});
-  detail::check_present(meta.page_table, "page_table");
-  require(meta.page_table.rank == 2 && meta.page_table.shape[0] == s.batch && meta.page_table.shape[1] >= 1,
-          concat("page_table must have shape [batch, max_pages] = [", s.batch, ", >= 1], got ",
-                 meta.page_table.shape_string()));
-  s.max_pages = meta.page_table.shape[1];
-  s.page_table = host_int32(meta.page_table, "page_table", {Dim(s.batch, "batch"), Dim(s.max_pages, "max_pages")});
+  StepRequests s = requests_of(meta.seq_lens, "decode");
+  read_page_table(meta.page_table, s);
   for (int64_t b = 0; b < s.batch; ++b) {
     const int32_t k_len = s.seq_lens[size_t(b)];
     require(k_len == 0 || k_len >= Q,
