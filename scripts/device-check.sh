@@ -17,6 +17,7 @@
 #   MSA_TEST_FILTER    GoogleTest filter (default Gpu*)
 #   MSA_BENCH_TOKENS   comma-separated token counts (default 4096,...,131072; "none" skips)
 #   MSA_BENCH_REPS     timed repetitions per op (default 10)
+#   MSA_SYNC_TESTS     0 skips the backward / KL / indexer tests on the mma.sync fallback
 #   MSA_SANITIZE       0 skips the memcheck step
 #   MSA_DECODE_BENCH   0 skips msa bench --decode and msa demo
 #   MSA_PYTEST_PATHS   what pytest runs with MSA_PYTHON=1 (default: all of tests/python)
@@ -84,6 +85,14 @@ FAILED=$(grep -c "^\[  FAILED  \] [A-Za-z]*\.[A-Za-z]* (" "$OUT/gpu_tests.log")
 SKIPPED=$(grep -c "^\[  SKIPPED \] [A-Za-z]*\." "$OUT/gpu_tests.log")
 note "GPU tests: rc $TEST_RC, $PASSED passed, $FAILED failed, $SKIPPED skipped"
 grep -E "^\[  FAILED  \]|Failure|error:" "$OUT/gpu_tests.log" | head -20 | tee -a "$SUMMARY"
+# The mma.sync fallback of the backward, KL and indexer kernels (MSA_CUDA_MMA=sync).
+if [ "${MSA_SYNC_TESTS:-1}" != "0" ]; then
+  MSA_CUDA_MMA=sync timeout 200 "$TESTS" --gtest_filter='GpuBackward.*:GpuKl.*:GpuIndexer.*' > "$OUT/gpu_tests_sync.log" 2>&1
+  SYNC_RC=$?
+  note "GPU tests on mma.sync: rc $SYNC_RC, $(grep -c "^\[       OK \]" "$OUT/gpu_tests_sync.log") passed, $(grep -c "^\[  FAILED  \] [A-Za-z]*\.[A-Za-z]* (" "$OUT/gpu_tests_sync.log") failed"
+  grep -E "^\[  FAILED  \]|Failure" "$OUT/gpu_tests_sync.log" | head -10 | tee -a "$SUMMARY"
+  [ "$SYNC_RC" -ne 0 ] && TEST_RC=$SYNC_RC
+fi
 
 # Memory checker on small cases.
 if [ "${MSA_SANITIZE:-1}" != "0" ] && command -v compute-sanitizer > /dev/null; then

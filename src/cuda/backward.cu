@@ -46,9 +46,81 @@ struct BackwardArgs {
   int Hq, Hkv;
   float scale, scale_log2;
   bool deterministic;
-  int use_wgmma;  // S = Q K^T and dP = dO V^T on wgmma
 };
 
+// dV += P^T dO and dK += dS^T Q for the 64 keys of warpgroup wg (column half wg of the P and
+// dS tiles) on wgmma: P^T and dS^T are read transposed from their [rows, keys] tiles and dO,
+// Q from their [rows, dims] tiles, in two 64-dim halves. Warp w holds keys 16w..16w+15.
+__device__ __forceinline__ void accumulate_dv_dk_wgmma(float (&dv)[16][4], float (&dk)[16][4], uint32_t ps,
+                                                       uint32_t dss, uint32_t dos, uint32_t qs, int wg) {
+  wgmma_fence();
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+    float(&dv_half)[8][4] = *reinterpret_cast<float(*)[8][4]>(&dv[8 * hh]);
+    float(&dk_half)[8][4] = *reinterpret_cast<float(*)[8][4]>(&dk[8 * hh]);
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk)
+      wgmma_m64n64k16<1, 1>(dv_half, tile_desc_mn(ps, 128, wg, kk), tile_desc_mn(dos, 128, hh, kk), 1);
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk)
+      wgmma_m64n64k16<1, 1>(dk_half, tile_desc_mn(dss, 128, wg, kk), tile_desc_mn(qs, 128, hh, kk), 1);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+}
+
+// The same on mma.sync: warp w computes its 16 keys from ldmatrix fragments.
+__device__ __forceinline__ void accumulate_dv_dk_sync(float (&dv)[16][4], float (&dk)[16][4], uint32_t ps,
+                                                      uint32_t dss, uint32_t dos, uint32_t qs, int warp, int lane) {
+#pragma unroll
+  for (int kt = 0; kt < 8; ++kt) {
+    uint32_t pa[4], sa[4];
+    load_a_trans(pa, ps, 128, warp * 16, kt * 16, lane);
+    load_a_trans(sa, dss, 128, warp * 16, kt * 16, lane);
+#pragma unroll
+    for (int np = 0; np < 8; ++np) {
+      uint32_t bo[4], bq[4];
+      load_b_kn(bo, dos, 128, kt * 16, np * 16, lane);
+      load_b_kn(bq, qs, 128, kt * 16, np * 16, lane);
+      mma_bf16(dv[2 * np], pa, bo[0], bo[1]);
+      mma_bf16(dv[2 * np + 1], pa, bo[2], bo[3]);
+      mma_bf16(dk[2 * np], sa, bq[0], bq[1]);
+      mma_bf16(dk[2 * np + 1], sa, bq[2], bq[3]);
+    }
+  }
+}
+
+// dq = dS K for dims 64hh..64hh+63 of the warpgroup's 64 rows (from wg_row) on wgmma: dS is
+// K-major, the K tile (rows = keys) is read transposed.
+__device__ __forceinline__ void dq_half_wgmma(float (&dq)[8][4], uint32_t dss, uint32_t ks, int wg_row, int hh) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk)
+    wgmma_m64n64k16<0, 1>(dq, tile_desc(dss, 128, wg_row, kk), tile_desc_mn(ks, 128, hh, kk), kk > 0);
+  wgmma_commit();
+  wgmma_wait<0>();
+}
+
+// The same on mma.sync for the warp's 16 rows r16...
+__device__ __forceinline__ void dq_half_sync(float (&dq)[8][4], uint32_t dss, uint32_t ks, int r16, int hh, int lane) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
+#pragma unroll
+  for (int kt = 0; kt < 8; ++kt) {
+    uint32_t af[4];
+    load_a(af, dss, 128, r16, kt * 16, lane);
+#pragma unroll
+    for (int np = 0; np < 4; ++np) {
+      uint32_t bf[4];
+      load_b_kn(bf, ks, 128, kt * 16, hh * 64 + np * 16, lane);
+      mma_bf16(dq[2 * np], af, bf[0], bf[1]);
+      mma_bf16(dq[2 * np + 1], af, bf[2], bf[3]);
+    }
+  }
+}
+
+// kWgmma: every product on wgmma (sm_90a), else on mma.sync (kept to compare the two).
+template <bool kWgmma>
 __global__ void __launch_bounds__(kThreads, 1) backward_chunks_kernel(const BackwardArgs a) {
   extern __shared__ __align__(128) unsigned char smem[];
   if (a.status[0] != 0) return;
@@ -95,30 +167,46 @@ __global__ void __launch_bounds__(kThreads, 1) backward_chunks_kernel(const Back
       const int64_t hrow = int64_t(max(row, 0)) * a.Hq + 16 * g + r0;
       const float lse_a = row >= 0 ? a.lse[hrow] : 0.f, lse_b = row >= 0 ? a.lse[hrow + 8] : 0.f;
       const float del_a = row >= 0 ? a.delta[hrow] : 0.f, del_b = row >= 0 ? a.delta[hrow + 8] : 0.f;
-      // S and P for the warp's 16 rows; P (bf16) goes to shared memory, where dS reads it back.
+      // S and P for the warp's 16 rows, in two halves of 64 keys; P (bf16) goes to shared
+      // memory, where dS (and dV on the wgmma path) reads it back. An empty slot (row < 0),
+      // keys past the causal limit and rows whose LSE is -inf get P = 0.
       {
-        float s[16][4];
-        product_rows_x128(s, qs, ks, wg_row, r16, lane, a.use_wgmma, row >= 0);
-        const float la = lse_a * kLog2e, lb = lse_b * kLog2e;
+        const float la = lse_a == -INFINITY ? INFINITY : lse_a * kLog2e;
+        const float lb = lse_b == -INFINITY ? INFINITY : lse_b * kLog2e;
+        const int lim = row < 0 ? -1 : limit;
+        auto write_p = [&](const float(&sh)[8][4], int hh) {
 #pragma unroll
-        for (int nt = 0; nt < 16; ++nt) {
-          float pv[4];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int col = nt * 8 + 2 * t + (e & 1);
-            const float l = e < 2 ? la : lb;
-            // An empty query slot (row < 0) contributes nothing: zero P.
-            pv[e] = (row >= 0 && col <= limit && l != -INFINITY) ? exp2f(s[nt][e] * a.scale_log2 - l) : 0.f;
+          for (int i = 0; i < 8; ++i) {
+            const int nt = 8 * hh + i, col = nt * 8 + 2 * t;
+            float p0 = fast_exp2(sh[i][0] * a.scale_log2 - la), p1 = fast_exp2(sh[i][1] * a.scale_log2 - la);
+            float p2 = fast_exp2(sh[i][2] * a.scale_log2 - lb), p3 = fast_exp2(sh[i][3] * a.scale_log2 - lb);
+            if (lim < 127) {
+              if (col > lim) p0 = p2 = 0.f;
+              if (col + 1 > lim) p1 = p3 = 0.f;
+            }
+            st_shared_u32(ps + tile_offset(128, r16 + r0, nt) + 4 * t, pack_bf16(p0, p1));
+            st_shared_u32(ps + tile_offset(128, r16 + r0 + 8, nt) + 4 * t, pack_bf16(p2, p3));
           }
-          st_shared_u32(ps + tile_offset(128, r16 + r0, nt) + 4 * t, pack_bf16(pv[0], pv[1]));
-          st_shared_u32(ps + tile_offset(128, r16 + r0 + 8, nt) + 4 * t, pack_bf16(pv[2], pv[3]));
+        };
+        if constexpr (kWgmma) {
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            float sh[8][4];
+            wgmma_rows_x64(sh, qs, 128, wg_row, ks, 128, 64 * hh);
+            write_p(sh, hh);
+          }
+        } else {
+          float sf[16][4];
+          product_rows_x128(sf, qs, ks, wg_row, r16, lane, false, row >= 0);
+          write_p(*reinterpret_cast<const float(*)[8][4]>(&sf[0]), 0);
+          write_p(*reinterpret_cast<const float(*)[8][4]>(&sf[8]), 1);
         }
       }
       // dP = dO V^T in two halves of 64 keys; dS = P (dP - D) to shared memory.
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {
         float dp[8][4];
-        if (a.use_wgmma) {
+        if (kWgmma) {
           wgmma_rows_x64(dp, dos, 128, wg_row, vs, 128, 64 * hh);
         } else {
 #pragma unroll
@@ -152,46 +240,22 @@ __global__ void __launch_bounds__(kThreads, 1) backward_chunks_kernel(const Back
           st_shared_u32(dss + tile_offset(128, r16 + r0 + 8, nt) + 4 * t, pack_bf16(ds2, ds3));
         }
       }
+      fence_proxy_async();  // P and dS are read by wgmma next
       __syncthreads();
       // dV += P^T dO and dK += dS^T Q over the 128 rows (warp w: keys 16w..16w+15).
-#pragma unroll
-      for (int kt = 0; kt < 8; ++kt) {
-        uint32_t pa[4], sa[4];
-        load_a_trans(pa, ps, 128, warp * 16, kt * 16, lane);
-        load_a_trans(sa, dss, 128, warp * 16, kt * 16, lane);
-#pragma unroll
-        for (int np = 0; np < 8; ++np) {
-          uint32_t bo[4], bq[4];
-          load_b_kn(bo, dos, 128, kt * 16, np * 16, lane);
-          load_b_kn(bq, qs, 128, kt * 16, np * 16, lane);
-          mma_bf16(dv[2 * np], pa, bo[0], bo[1]);
-          mma_bf16(dv[2 * np + 1], pa, bo[2], bo[3]);
-          mma_bf16(dk[2 * np], sa, bq[0], bq[1]);
-          mma_bf16(dk[2 * np + 1], sa, bq[2], bq[3]);
-        }
-      }
+      if (kWgmma) accumulate_dv_dk_wgmma(dv, dk, ps, dss, dos, qs, warp >> 2);
+      else accumulate_dv_dk_sync(dv, dk, ps, dss, dos, qs, warp, lane);
       __syncthreads();
       if (sub + 1 < nsub) load_sub(sub + 1);  // Q and dO tiles are free now
       cp_async_commit();
       // dQ of this warp's edge = scale dS K, in two halves of 64 dims.
-      if (row >= 0) {
+      if (kWgmma || row >= 0) {
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           float dq[8][4];
-#pragma unroll
-          for (int i = 0; i < 8; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
-#pragma unroll
-          for (int kt = 0; kt < 8; ++kt) {
-            uint32_t af[4];
-            load_a(af, dss, 128, r16, kt * 16, lane);
-#pragma unroll
-            for (int np = 0; np < 4; ++np) {
-              uint32_t bf[4];
-              load_b_kn(bf, ks, 128, kt * 16, hh * 64 + np * 16, lane);
-              mma_bf16(dq[2 * np], af, bf[0], bf[1]);
-              mma_bf16(dq[2 * np + 1], af, bf[2], bf[3]);
-            }
-          }
+          if (kWgmma) dq_half_wgmma(dq, dss, ks, wg_row, hh);
+          else dq_half_sync(dq, dss, ks, r16, hh, lane);
+          if (row < 0) continue;
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
             const int dim = hh * 64 + i * 8 + 2 * t;
@@ -299,7 +363,6 @@ void sparse_attention_backward(const Topology& topo, const PackedLayout& L, cons
   a.scale = topo.attention_scale();
   a.scale_log2 = a.scale * kLog2e;
   a.deterministic = opt.deterministic;
-  a.use_wgmma = use_wgmma() ? 1 : 0;
 
   // D and a bf16 dO.
   __nv_bfloat16* dout16 = p.dout.dtype == DType::f32 ? ws<__nv_bfloat16>(st, w.dout16) : nullptr;
@@ -319,9 +382,10 @@ void sparse_attention_backward(const Topology& topo, const PackedLayout& L, cons
     MSA_CUDA_CHECK(cudaMemsetAsync(a.dv_acc, 0, size_t(Tk * Hkv * 128 * 4), s));
   }
   if (st.chunk_capacity > 0) {
-    MSA_CUDA_CHECK(cudaFuncSetAttribute(backward_chunks_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    const auto kernel = use_wgmma() ? backward_chunks_kernel<true> : backward_chunks_kernel<false>;
+    MSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
     const int grid = int(std::min<int64_t>(st.chunk_capacity, sm_count()));
-    backward_chunks_kernel<<<grid, kThreads, kSmemBytes, s>>>(a);
+    kernel<<<grid, kThreads, kSmemBytes, s>>>(a);
     MSA_CUDA_CHECK_LAUNCH("backward_chunks_kernel");
   }
   if (!opt.deterministic) {

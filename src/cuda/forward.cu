@@ -29,7 +29,12 @@ constexpr int kTileBytes = 128 * 256;      // 128 rows of 128 bf16
 constexpr int kQStages = 4;                // Q tiles in flight (query w: rows 16w..16w+15)
 constexpr int kMetaInts = 4 * kConsumerWarps + 4;  // per query: row, slot, key limit, head; task: head, doc, block
 constexpr int kSmemBytes = (2 + kQStages) * kTileBytes + kQStages * kMetaInts * 4 + 2 * kQStages * 8 + 1024;
-constexpr int kKvBarrier = 3;              // named barrier of the consumers (1, 2: warpgroups)
+constexpr int kKvBarrier = 3;
+// Register budgets per thread after the split (65536 per SM): the producers need few, the
+// consumers hold S of the next task, O and P of the current one at once.
+constexpr int kProducerRegs = 40;
+constexpr int kConsumerRegs = 232;
+static_assert(kProducerRegs * 32 * kProducerWarps + kConsumerRegs * kConsumers <= 65536);              // named barrier of the consumers (1, 2: warpgroups)
 
 struct ForwardArgs {
   const __nv_bfloat16* q;  // [Tq, Hq, 128]
@@ -141,18 +146,32 @@ __device__ void load_key_block(const ForwardArgs& a, int g, int b, int j, uint32
   }
 }
 
-__device__ void compute_task(const ForwardArgs& a, uint32_t ks, uint32_t vts, uint32_t qs, const int* meta, int warp,
-                             int lane) {
-  const int4 m = *reinterpret_cast<const int4*>(meta + 4 * warp);
-  const int row = m.x, slot = m.y, limit = m.z, g = m.w;
-  const int wg = warp >> 2;
+// Issues S = Q K^T for warpgroup wg's 4 queries of a task (rows 64wg.. of the Q stage) against
+// the resident key tile; does not wait.
+__device__ __forceinline__ void issue_scores(float (&s)[16][4], uint32_t qs, uint32_t ks, int wg) {
+  wgmma_fence();
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) wgmma_m64n128k16(s, tile_desc(qs, 128, 64 * wg, kk), tile_desc(ks, 128, 0, kk), kk > 0);
+  wgmma_commit();
+}
 
-  // S: the warpgroup's 4 queries (64 rows) against the 128 keys.
-  float s[16][4];
-  wgmma_rows_x128(s, qs, 128, 64 * wg, ks, 128, 0);
-  warpgroup_barrier(wg);  // every warp's Q rows are read before any warp reuses them
+// Issues O = P V (P from registers, V^T as the K-major B operand); does not wait.
+__device__ __forceinline__ void issue_pv(float (&o)[16][4], const uint32_t (&p)[8][4], uint32_t vts) {
+  wgmma_fence();
+#pragma unroll
+  for (int kt = 0; kt < 8; ++kt) wgmma_m64n128k16_rs(o, p[kt], tile_desc(vts, 128, 0, kt), kt > 0);
+  wgmma_commit();
+}
 
-  const int t = lane & 3;
+// Max (scaled to the exp2 domain) and sum of exponentials of the two rows a thread holds.
+struct RowStats {
+  float ms0, ms1, l0, l1;
+};
+
+// Softmax numerators of the warp's 16 rows (keys past `limit` masked) as bf16 A fragments.
+// Reductions run over four partial accumulators to keep the dependency chains short.
+__device__ __forceinline__ RowStats softmax_rows(float (&s)[16][4], uint32_t (&p)[8][4], int limit, float scale_log2,
+                                                 int t) {
   if (limit < 127) {
 #pragma unroll
     for (int nt = 0; nt < 16; ++nt)
@@ -160,51 +179,51 @@ __device__ void compute_task(const ForwardArgs& a, uint32_t ks, uint32_t vts, ui
       for (int e = 0; e < 4; ++e)
         if (nt * 8 + 2 * t + (e & 1) > limit) s[nt][e] = -INFINITY;
   }
-  float m0 = -INFINITY, m1 = -INFINITY;
+  float mx[2][4];
 #pragma unroll
-  for (int nt = 0; nt < 16; ++nt) {
-    m0 = fmaxf(m0, fmaxf(s[nt][0], s[nt][1]));
-    m1 = fmaxf(m1, fmaxf(s[nt][2], s[nt][3]));
+  for (int i = 0; i < 4; ++i) {
+    mx[0][i] = fmaxf(s[i][0], s[i][1]);
+    mx[1][i] = fmaxf(s[i][2], s[i][3]);
   }
-  m0 = warp_max4(m0);
-  m1 = warp_max4(m1);
-  const float ms0 = m0 * a.scale_log2, ms1 = m1 * a.scale_log2;
-  float l0 = 0.f, l1 = 0.f;
-  uint32_t p[8][4];
+#pragma unroll
+  for (int nt = 4; nt < 16; ++nt) {
+    mx[0][nt & 3] = fmaxf(mx[0][nt & 3], fmaxf(s[nt][0], s[nt][1]));
+    mx[1][nt & 3] = fmaxf(mx[1][nt & 3], fmaxf(s[nt][2], s[nt][3]));
+  }
+  RowStats r;
+  r.ms0 = warp_max4(fmaxf(fmaxf(mx[0][0], mx[0][1]), fmaxf(mx[0][2], mx[0][3]))) * scale_log2;
+  r.ms1 = warp_max4(fmaxf(fmaxf(mx[1][0], mx[1][1]), fmaxf(mx[1][2], mx[1][3]))) * scale_log2;
+  float sum[2][4] = {};
 #pragma unroll
   for (int kt = 0; kt < 8; ++kt) {
     float e[2][4];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      e[h][0] = fast_exp2(s[2 * kt + h][0] * a.scale_log2 - ms0);
-      e[h][1] = fast_exp2(s[2 * kt + h][1] * a.scale_log2 - ms0);
-      e[h][2] = fast_exp2(s[2 * kt + h][2] * a.scale_log2 - ms1);
-      e[h][3] = fast_exp2(s[2 * kt + h][3] * a.scale_log2 - ms1);
-      l0 += e[h][0] + e[h][1];
-      l1 += e[h][2] + e[h][3];
+      e[h][0] = fast_exp2(s[2 * kt + h][0] * scale_log2 - r.ms0);
+      e[h][1] = fast_exp2(s[2 * kt + h][1] * scale_log2 - r.ms0);
+      e[h][2] = fast_exp2(s[2 * kt + h][2] * scale_log2 - r.ms1);
+      e[h][3] = fast_exp2(s[2 * kt + h][3] * scale_log2 - r.ms1);
+      sum[0][(2 * kt + h) & 3] += e[h][0] + e[h][1];
+      sum[1][(2 * kt + h) & 3] += e[h][2] + e[h][3];
     }
     p[kt][0] = pack_bf16(e[0][0], e[0][1]);
     p[kt][1] = pack_bf16(e[0][2], e[0][3]);
     p[kt][2] = pack_bf16(e[1][0], e[1][1]);
     p[kt][3] = pack_bf16(e[1][2], e[1][3]);
   }
-  l0 = warp_sum4(l0);
-  l1 = warp_sum4(l1);
+  r.l0 = warp_sum4((sum[0][0] + sum[0][1]) + (sum[0][2] + sum[0][3]));
+  r.l1 = warp_sum4((sum[1][0] + sum[1][1]) + (sum[1][2] + sum[1][3]));
+  return r;
+}
 
-  // O = P V: P from registers, V^T (rows = dims) as the K-major B operand.
-  float o[16][4];
-#pragma unroll
-  for (int i = 0; i < 16; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
-  wgmma_fence();
-#pragma unroll
-  for (int kt = 0; kt < 8; ++kt) wgmma_m64n128k16_rs(o, p[kt], tile_desc(vts, 128, 0, kt), kt > 0);
-  wgmma_commit();
-  wgmma_wait<0>();
+// Normalises the warp's 16 output rows, stages them in the warp's own (already consumed) Q rows
+// of the stage and writes them as 16-byte rows to partial slot m.y, with their LSE.
+__device__ __forceinline__ void store_partial(const ForwardArgs& a, const float (&o)[16][4], const RowStats& r,
+                                              int4 m, uint32_t qs, int warp, int lane) {
+  const int row = m.x, slot = m.y, g = m.w;
   if (row < 0) return;
-
-  // Normalise, stage through this warp's Q rows (no longer needed) and write 16-byte rows.
-  const float inv0 = 1.f / l0, inv1 = 1.f / l1;
-  const int r0 = lane >> 2, r16 = 16 * warp;
+  const int t = lane & 3, r0 = lane >> 2, r16 = 16 * warp;
+  const float inv0 = 1.f / r.l0, inv1 = 1.f / r.l1;
 #pragma unroll
   for (int nt = 0; nt < 16; ++nt) {
     st_shared_u32(qs + tile_offset(128, r16 + r0, nt) + 4 * t, pack_bf16(o[nt][0] * inv0, o[nt][1] * inv0));
@@ -215,13 +234,13 @@ __device__ void compute_task(const ForwardArgs& a, uint32_t ks, uint32_t vts, ui
   __nv_bfloat16* dst = a.part_o + out_row * 128;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    const int c = i * 32 + lane, r = c >> 4, ch = c & 15;
-    st_global_v4(dst + r * 128 + ch * 8, ld_shared_v4(qs + tile_offset(128, r16 + r, ch)));
+    const int c = i * 32 + lane, rr = c >> 4, ch = c & 15;
+    st_global_v4(dst + rr * 128 + ch * 8, ld_shared_v4(qs + tile_offset(128, r16 + rr, ch)));
   }
   if (t == 0) {
     constexpr float kLn2 = 0.6931471805599453f;
-    a.part_lse[out_row + r0] = (ms0 + __log2f(l0)) * kLn2;
-    a.part_lse[out_row + r0 + 8] = (ms1 + __log2f(l1)) * kLn2;
+    a.part_lse[out_row + r0] = (r.ms0 + __log2f(r.l0)) * kLn2;
+    a.part_lse[out_row + r0 + 8] = (r.ms1 + __log2f(r.l1)) * kLn2;
   }
 }
 
@@ -246,6 +265,7 @@ __global__ void __launch_bounds__(kThreads, 1) forward_tasks_kernel(const Forwar
   __syncthreads();
 
   if (warp >= kConsumerWarps) {
+    setmaxnreg_dec<kProducerRegs>();
     const int pw = warp - kConsumerWarps;
     for (int64_t t0 = first; t0 < last; t0 += 32) {
       TaskMeta mine;
@@ -261,24 +281,59 @@ __global__ void __launch_bounds__(kThreads, 1) forward_tasks_kernel(const Forwar
     return;
   }
 
+  setmaxnreg_inc<kConsumerRegs>();
+  // Consumers, software-pipelined over tasks: while task n's outputs are normalised and stored,
+  // the tensor cores already compute S of task n + 1 (when it reads the same key block).
+  const int wg = warp >> 2, t4 = lane & 3;
   int loaded_g = -1, loaded_b = -1, loaded_j = -1;
-  for (int64_t t = first; t < last; ++t) {
-    const int n = int(t - first), stage = n % kQStages, use = n / kQStages;
-    mbar_wait(bars + 8 * stage, use & 1);
+  // Waits for task n's Q stage; returns its key block (x: head, y: document, z: block).
+  auto wait_task = [&](int n) {
+    mbar_wait(bars + 8 * (n % kQStages), (n / kQStages) & 1);
     fence_proxy_async();  // the cp.async rows are read by wgmma next
-    const int* meta = meta0 + stage * kMetaInts;
-    const int4 blk = *reinterpret_cast<const int4*>(meta + 4 * kConsumerWarps);
-    if (blk.x != loaded_g || blk.y != loaded_b || blk.z != loaded_j) {
-      named_barrier(kKvBarrier, kConsumers);  // every consumer is done with the old block
-      load_key_block(a, blk.x, blk.y, blk.z, ks, vts, tid);
-      loaded_g = blk.x, loaded_b = blk.y, loaded_j = blk.z;
-      fence_proxy_async();
-      named_barrier(kKvBarrier, kConsumers);
-    }
-    compute_task(a, ks, vts, q0 + stage * kTileBytes, meta, warp, lane);
+    return *reinterpret_cast<const int4*>(meta0 + (n % kQStages) * kMetaInts + 4 * kConsumerWarps);
+  };
+  auto load_block = [&](int4 blk) {
+    named_barrier(kKvBarrier, kConsumers);  // every consumer is done with the old block
+    load_key_block(a, blk.x, blk.y, blk.z, ks, vts, tid);
+    loaded_g = blk.x, loaded_b = blk.y, loaded_j = blk.z;
+    fence_proxy_async();
+    named_barrier(kKvBarrier, kConsumers);
+  };
+  const int ntasks = int(last - first);  // >= 1
+  float s[16][4];
+  load_block(wait_task(0));
+  issue_scores(s, q0, ks, wg);
+  for (int n = 0;; ++n) {
+    const int stage = n % kQStages;
+    const uint32_t qs = q0 + stage * kTileBytes;
+    const int4 m = *reinterpret_cast<const int4*>(meta0 + stage * kMetaInts + 4 * warp);
+    wgmma_wait<0>();
+    warpgroup_barrier(wg);  // every warp's Q rows are read before any warp reuses them
+    uint32_t p[8][4];
+    const RowStats r = softmax_rows(s, p, m.z, a.scale_log2, t4);
+    float o[16][4];
+    issue_pv(o, p, vts);
+    // S of the next task goes to the tensor cores now if its key block is already resident;
+    // otherwise an empty group keeps the wait below the same on every path.
+    const bool more = __all_sync(0xffffffffu, n + 1 < ntasks);
+    int4 next_blk = make_int4(-1, -1, -1, 0);
+    if (more) next_blk = wait_task(n + 1);
+    // (A warp vote: the wgmma below must be seen as taken by whole warps.)
+    const bool same_block =
+        __all_sync(0xffffffffu, more && next_blk.x == loaded_g && next_blk.y == loaded_b && next_blk.z == loaded_j);
+    if (same_block) issue_scores(s, q0 + ((n + 1) % kQStages) * kTileBytes, ks, wg);
+    else wgmma_commit();
+    wgmma_wait<1>();  // O of task n is complete
+    store_partial(a, o, r, m, qs, warp, lane);
     __syncwarp();
     if (lane == 0) mbar_arrive(bars + 8 * (kQStages + stage));
+    if (!more) break;
+    if (!same_block) {
+      load_block(next_blk);
+      issue_scores(s, q0 + ((n + 1) % kQStages) * kTileBytes, ks, wg);
+    }
   }
+  wgmma_wait<0>();
 }
 
 // Merges the partial states of every (query, head): thread = 8 output dims of one

@@ -21,6 +21,15 @@ __device__ __forceinline__ uint64_t tile_desc(uint32_t tile, int rows, int row0,
   return sw128_desc(tile + uint32_t((kk >> 2) * rows * 128 + row0 * 128 + (kk & 3) * 32));
 }
 
+// Descriptor of k-step kk of an operand read transposed ("MN-major"): the tile's rows are the
+// reduction dimension (rows 16kk..16kk+15) and column half `half` (64 columns) is the M or N
+// dimension, e.g. P^T in dV += P^T dO. With 64 columns there is a single 64-wide group, so
+// only the 8-row stride matters; both byte offsets are set to it.
+__device__ __forceinline__ uint64_t tile_desc_mn(uint32_t tile, int rows, int half, int kk) {
+  const uint32_t addr = tile + uint32_t(half * rows * 128 + kk * 16 * 128);
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1024 >> 4) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -43,13 +52,15 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[16][4], uint64_t da,
       : "l"(da), "l"(db), "r"(accumulate));
 }
 
-// d (64 x 64) = (accumulate ? d : 0) + A (64 x 16) B^T (B: 64 x 16).
+// d (64 x 64) = (accumulate ? d : 0) + A (64 x 16) B^T (B: 64 x 16). kTransA / kTransB: the
+// operand's descriptor is MN-major (tile_desc_mn) instead of K-major.
+template <int kTransA = 0, int kTransB = 0>
 __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[8][4], uint64_t da, uint64_t db, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, %35, %36;\n}\n"
       : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
-      : "l"(da), "l"(db), "r"(accumulate));
+      : "l"(da), "l"(db), "r"(accumulate), "n"(kTransA), "n"(kTransB));
 }
 
 // d (64 x 128) = (accumulate ? d : 0) + A (64 x 16) B^T (B: 128 x 16), A from registers in the
