@@ -175,18 +175,22 @@ __global__ void __launch_bounds__(kThreads, 1) backward_chunks_kernel(const Back
         const float lb = lse_b == -INFINITY ? INFINITY : lse_b * kLog2e;
         const int lim = row < 0 ? -1 : limit;
         auto write_p = [&](const float(&sh)[8][4], int hh) {
+          uint32_t pk[8][2];  // bf16 pairs of rows r0 and r0 + 8
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
-            const int nt = 8 * hh + i, col = nt * 8 + 2 * t;
+            const int col = (8 * hh + i) * 8 + 2 * t;
             float p0 = fast_exp2(sh[i][0] * a.scale_log2 - la), p1 = fast_exp2(sh[i][1] * a.scale_log2 - la);
             float p2 = fast_exp2(sh[i][2] * a.scale_log2 - lb), p3 = fast_exp2(sh[i][3] * a.scale_log2 - lb);
             if (lim < 127) {
               if (col > lim) p0 = p2 = 0.f;
               if (col + 1 > lim) p1 = p3 = 0.f;
             }
-            st_shared_u32(ps + tile_offset(128, r16 + r0, nt) + 4 * t, pack_bf16(p0, p1));
-            st_shared_u32(ps + tile_offset(128, r16 + r0 + 8, nt) + 4 * t, pack_bf16(p2, p3));
+            pk[i][0] = pack_bf16(p0, p1);
+            pk[i][1] = pack_bf16(p2, p3);
           }
+#pragma unroll
+          for (int k = 0; k < 4; ++k)
+            store_rows_x16(ps, 128, r16, 4 * hh + k, lane, pk[2 * k][0], pk[2 * k][1], pk[2 * k + 1][0], pk[2 * k + 1][1]);
         };
         if constexpr (kWgmma) {
 #pragma unroll
@@ -227,17 +231,20 @@ __global__ void __launch_bounds__(kThreads, 1) backward_chunks_kernel(const Back
           }
         }
 #pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const int nt = hh * 8 + i;
-          // Each thread reads back the P values it wrote itself (0 for an empty slot).
-          const uint32_t pr0 = ld_shared_u32(ps + tile_offset(128, r16 + r0, nt) + 4 * t);
-          const uint32_t pr1 = ld_shared_u32(ps + tile_offset(128, r16 + r0 + 8, nt) + 4 * t);
-          const __nv_bfloat162 pa = *reinterpret_cast<const __nv_bfloat162*>(&pr0);
-          const __nv_bfloat162 pb = *reinterpret_cast<const __nv_bfloat162*>(&pr1);
-          const float ds0 = __low2float(pa) * (dp[i][0] - del_a), ds1 = __high2float(pa) * (dp[i][1] - del_a);
-          const float ds2 = __low2float(pb) * (dp[i][2] - del_b), ds3 = __high2float(pb) * (dp[i][3] - del_b);
-          st_shared_u32(dss + tile_offset(128, r16 + r0, nt) + 4 * t, pack_bf16(ds0, ds1));
-          st_shared_u32(dss + tile_offset(128, r16 + r0 + 8, nt) + 4 * t, pack_bf16(ds2, ds3));
+        for (int k = 0; k < 4; ++k) {
+          // The warp reads back its own rows of P (0 for an empty slot) in the accumulator
+          // layout: pr = (row r0, tile 2k), (row r0 + 8, tile 2k), then tile 2k + 1.
+          uint32_t pr[4], dsr[4];
+          load_a(pr, ps, 128, r16, (8 * hh + 2 * k) * 8, lane);
+#pragma unroll
+          for (int h = 0; h < 4; ++h) {
+            const float(&dph)[4] = dp[2 * k + (h >> 1)];
+            const float del = (h & 1) ? del_b : del_a;
+            const __nv_bfloat162 pv = *reinterpret_cast<const __nv_bfloat162*>(&pr[h]);
+            const int e = (h & 1) * 2;
+            dsr[h] = pack_bf16(__low2float(pv) * (dph[e] - del), __high2float(pv) * (dph[e + 1] - del));
+          }
+          store_rows_x16(dss, 128, r16, 4 * hh + k, lane, dsr[0], dsr[1], dsr[2], dsr[3]);
         }
       }
       fence_proxy_async();  // P and dS are read by wgmma next

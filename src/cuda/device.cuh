@@ -59,6 +59,18 @@ __device__ __forceinline__ uint32_t tile_offset(int rows, int row, int chunk) {
   return uint32_t((chunk >> 3) * rows * 128 + row * 128 + (((chunk & 7) ^ (row & 7)) << 4));
 }
 
+// Stores a warp's 16 rows x 16 columns of bf16, held in the mma.sync accumulator layout (the
+// bf16 pairs of row g and row g + 8 for column tiles c and c + 1: lo_c, hi_c, lo_c1, hi_c1),
+// into rows r16.. and 16-byte chunks 2 * pair, 2 * pair + 1 of a tile: one stmatrix instead of
+// four 4-byte stores per thread. The lane addresses mirror load_a.
+__device__ __forceinline__ void store_rows_x16(uint32_t tile, int rows, int r16, int pair, int lane, uint32_t lo_c,
+                                               uint32_t hi_c, uint32_t lo_c1, uint32_t hi_c1) {
+  const uint32_t addr = tile + tile_offset(rows, r16 + (lane & 15), 2 * pair + (lane >> 4));
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "r"(lo_c), "r"(hi_c),
+               "r"(lo_c1), "r"(hi_c1)
+               : "memory");
+}
+
 // A fragment (16 rows x 16 columns at (row0, col0)) of a row-major tile.
 __device__ __forceinline__ void load_a(uint32_t (&a)[4], uint32_t tile, int rows, int row0, int col0, int lane) {
   const int row = row0 + (lane & 15);

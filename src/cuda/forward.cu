@@ -225,10 +225,10 @@ __device__ __forceinline__ void store_partial(const ForwardArgs& a, const float 
   const int t = lane & 3, r0 = lane >> 2, r16 = 16 * warp;
   const float inv0 = 1.f / r.l0, inv1 = 1.f / r.l1;
 #pragma unroll
-  for (int nt = 0; nt < 16; ++nt) {
-    st_shared_u32(qs + tile_offset(128, r16 + r0, nt) + 4 * t, pack_bf16(o[nt][0] * inv0, o[nt][1] * inv0));
-    st_shared_u32(qs + tile_offset(128, r16 + r0 + 8, nt) + 4 * t, pack_bf16(o[nt][2] * inv1, o[nt][3] * inv1));
-  }
+  for (int k = 0; k < 8; ++k)
+    store_rows_x16(qs, 128, r16, k, lane, pack_bf16(o[2 * k][0] * inv0, o[2 * k][1] * inv0),
+                   pack_bf16(o[2 * k][2] * inv1, o[2 * k][3] * inv1), pack_bf16(o[2 * k + 1][0] * inv0, o[2 * k + 1][1] * inv0),
+                   pack_bf16(o[2 * k + 1][2] * inv1, o[2 * k + 1][3] * inv1));
   __syncwarp();
   const int64_t out_row = (int64_t(slot) * a.total_q + row) * a.Hq + 16 * g;
   __nv_bfloat16* dst = a.part_o + out_row * 128;
