@@ -101,24 +101,6 @@ __device__ __forceinline__ void dq_half_wgmma(float (&dq)[8][4], uint32_t dss, u
   wgmma_wait<0>();
 }
 
-// The same on mma.sync for the warp's 16 rows r16...
-__device__ __forceinline__ void dq_half_sync(float (&dq)[8][4], uint32_t dss, uint32_t ks, int r16, int hh, int lane) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) dq[i][0] = dq[i][1] = dq[i][2] = dq[i][3] = 0.f;
-#pragma unroll
-  for (int kt = 0; kt < 8; ++kt) {
-    uint32_t af[4];
-    load_a(af, dss, 128, r16, kt * 16, lane);
-#pragma unroll
-    for (int np = 0; np < 4; ++np) {
-      uint32_t bf[4];
-      load_b_kn(bf, ks, 128, kt * 16, hh * 64 + np * 16, lane);
-      mma_bf16(dq[2 * np], af, bf[0], bf[1]);
-      mma_bf16(dq[2 * np + 1], af, bf[2], bf[3]);
-    }
-  }
-}
-
 // kWgmma: every product on wgmma (sm_90a), else on mma.sync (kept to compare the two).
 template <bool kWgmma>
 __global__ void __launch_bounds__(kThreads, 1) backward_chunks_kernel(const BackwardArgs a) {
@@ -213,22 +195,7 @@ __global__ void __launch_bounds__(kThreads, 1) backward_chunks_kernel(const Back
         if (kWgmma) {
           wgmma_rows_x64(dp, dos, 128, wg_row, vs, 128, 64 * hh);
         } else {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) dp[i][0] = dp[i][1] = dp[i][2] = dp[i][3] = 0.f;
-          if (row >= 0) {
-#pragma unroll
-            for (int kt = 0; kt < 8; ++kt) {
-              uint32_t af[4];
-              load_a(af, dos, 128, r16, kt * 16, lane);
-#pragma unroll
-              for (int np = 0; np < 4; ++np) {
-                uint32_t bf[4];
-                load_b_nk(bf, vs, 128, hh * 64 + np * 16, kt * 16, lane);
-                mma_bf16(dp[2 * np], af, bf[0], bf[1]);
-                mma_bf16(dp[2 * np + 1], af, bf[2], bf[3]);
-              }
-            }
-          }
+          mma_sync_rows_x16<64, true>(dp, dos, vs, r16, 64 * hh, lane);
         }
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
@@ -261,7 +228,7 @@ __global__ void __launch_bounds__(kThreads, 1) backward_chunks_kernel(const Back
         for (int hh = 0; hh < 2; ++hh) {
           float dq[8][4];
           if (kWgmma) dq_half_wgmma(dq, dss, ks, wg_row, hh);
-          else dq_half_sync(dq, dss, ks, r16, hh, lane);
+          else mma_sync_rows_x16<64, false>(dq, dss, ks, r16, 64 * hh, lane);
           if (row < 0) continue;
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
