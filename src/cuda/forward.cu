@@ -10,7 +10,8 @@
 // of a (head, block) row one after another): K and V^T stay in shared memory until the block
 // changes. A producer warpgroup reads the schedule and streams each task's Q rows through four
 // shared-memory stages with cp.async (mbarrier hand-off), so the two computing warpgroups
-// never wait on metadata loads.
+// never wait on metadata loads; it gives most of its registers to them (setmaxnreg), which
+// lets each computing warpgroup issue S of the next task before the current task's epilogue.
 #include "backend.h"
 #include "cuda/common.cuh"
 #include "cuda/device.cuh"
