@@ -22,7 +22,9 @@ constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kTile = 128 * 256;
 constexpr int kSmall = 16 * 256;
-constexpr int kSmemBytes = 3 * kTile + 2 * kSmall + 8 * 128 * 4 + kWarps * 4 * 4 + 1024;  // + alignment slack
+constexpr int kMetaInts = kWarps * 4;  // per query slot: row, partial slot, key limit
+// K, index-K, two Q stages, two index-Q stages, ds, the teacher rows, two metadata stages.
+constexpr int kSmemBytes = 4 * kTile + 3 * kSmall + 8 * 128 * 4 + 2 * kMetaInts * 4 + 1024;  // + alignment slack
 constexpr float kLog2e = 1.4426950408889634f;
 
 struct KlArgs {
@@ -53,16 +55,18 @@ __global__ void __launch_bounds__(kThreads, 1) kl_chunks_kernel(const KlArgs a) 
   extern __shared__ __align__(128) unsigned char smem[];
   if (a.status[0] != 0) return;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, t = lane & 3, r0 = lane >> 2;
-  const uint32_t ks = align1024(smem_addr(smem)), iks = ks + kTile, qs = ks + 2 * kTile, iqs = ks + 3 * kTile,
-                 dst = iqs + kSmall;
-  unsigned char* tail = smem + (ks - smem_addr(smem)) + 3 * kTile + 2 * kSmall;
+  // The 8 queries of sub-chunk sub + 1 load into stage (sub + 1) & 1 while sub is computed.
+  const uint32_t ks = align1024(smem_addr(smem)), iks = ks + kTile, qs0 = ks + 2 * kTile, iqs0 = ks + 4 * kTile,
+                 dst = iqs0 + 2 * kSmall;
+  unsigned char* tail = smem + (ks - smem_addr(smem)) + 4 * kTile + 3 * kSmall;
   float* teacher = reinterpret_cast<float*>(tail);  // [8][128]
-  int* meta = reinterpret_cast<int*>(tail + 8 * 128 * 4);
+  int* meta0 = reinterpret_cast<int*>(tail + 8 * 128 * 4);
   const int r16 = 16 * warp;
   // Rows 8..15 of the index-query and ds tiles stay zero (m16 tiles with 8 queries).
   for (int i = tid; i < 8 * 16; i += kThreads) {
     const int r = 8 + (i >> 4), c = i & 15;
-    st_shared_v4_zero(iqs + tile_offset(16, r, c));
+    st_shared_v4_zero(iqs0 + tile_offset(16, r, c));
+    st_shared_v4_zero(iqs0 + kSmall + tile_offset(16, r, c));
     st_shared_v4_zero(dst + tile_offset(16, r, c));
   }
   const int nchunks = *a.chunk_count;
@@ -78,26 +82,36 @@ __global__ void __launch_bounds__(kThreads, 1) kl_chunks_kernel(const KlArgs a) 
     load_tile_async(ks, 128, 0, a.k + (int64_t(d.k_start + key0) * a.Hkv + g) * 128, int64_t(a.Hkv) * 128, 128, nkeys,
                     tid, kThreads);
     load_tile_async(iks, 128, 0, a.ik + int64_t(d.k_start + key0) * 128, 128, 128, nkeys, tid, kThreads);
+    // Loads the 8 queries of sub-chunk sub into its stage: Q (16 heads) and the index query of
+    // warp w's query, and their metadata.
+    auto load_sub = [&](int sub) {
+      const int st = sub & 1;
+      int row;
+      const bool valid = chunk_query(a.q_indices, a.split_slot, edge0, sub * 8 + warp, q_count, d, key0,
+                                     meta0 + st * kMetaInts, warp, lane, row);
+      load_tile_async(qs0 + st * kTile, 128, r16, a.q + (int64_t(row) * a.Hq + 16 * g) * 128, 128, 16, valid ? 16 : 0,
+                      lane, 32);
+      if (lane < 16) {
+        const __nv_bfloat16* src = a.iq + (int64_t(row) * Hi + g) * 128 + lane * 8;
+        cp_async16(iqs0 + st * kSmall + tile_offset(16, warp, lane), valid ? src : a.iq, valid ? 16 : 0);
+      }
+    };
     float dki[16][4];
 #pragma unroll
     for (int i = 0; i < 16; ++i) dki[i][0] = dki[i][1] = dki[i][2] = dki[i][3] = 0.f;
 
     const int nsub = (q_count + 7) / 8;
+    load_sub(0);
+    cp_async_commit();
     for (int sub = 0; sub < nsub; ++sub) {
-      {  // load the 8 queries: Q (16 heads) and the index query of warp w's query
-        int row;
-        const bool valid =
-            chunk_query(a.q_indices, a.split_slot, edge0, sub * 8 + warp, q_count, d, key0, meta, warp, lane, row);
-        load_tile_async(qs, 128, r16, a.q + (int64_t(row) * a.Hq + 16 * g) * 128, 128, 16, valid ? 16 : 0, lane, 32);
-        if (lane < 16) {
-          const __nv_bfloat16* src = a.iq + (int64_t(row) * Hi + g) * 128 + lane * 8;
-          cp_async16(iqs + tile_offset(16, warp, lane), valid ? src : a.iq, valid ? 16 : 0);
-        }
-      }
+      // The other stage was released by the barrier that ended sub - 1.
+      if (sub + 1 < nsub) load_sub(sub + 1);
       cp_async_commit();
-      cp_async_wait<0>();
+      cp_async_wait<1>();  // everything but the group just issued: sub's queries (and K)
       fence_proxy_async();
       __syncthreads();
+      const uint32_t qs = qs0 + (sub & 1) * kTile, iqs = iqs0 + (sub & 1) * kSmall;
+      const int* meta = meta0 + (sub & 1) * kMetaInts;
       // Teacher of warp w's query: column sums of exp(S scale - lse) over its 16 heads.
       {
         const int row = meta[4 * warp], limit = meta[4 * warp + 2];
@@ -113,8 +127,8 @@ __global__ void __launch_bounds__(kThreads, 1) kl_chunks_kernel(const KlArgs a) 
             for (int e = 0; e < 2; ++e) {
               const bool vis = nt * 8 + 2 * t + e <= limit;
               float v = 0.f;
-              if (vis && la != -INFINITY) v += exp2f(s[nt][e] * a.scale_log2 - la);
-              if (vis && lb != -INFINITY) v += exp2f(s[nt][2 + e] * a.scale_log2 - lb);
+              if (vis && la != -INFINITY) v += fast_exp2(s[nt][e] * a.scale_log2 - la);
+              if (vis && lb != -INFINITY) v += fast_exp2(s[nt][2 + e] * a.scale_log2 - lb);
               colsum[nt][e] = v;
             }
         } else {
@@ -154,7 +168,7 @@ __global__ void __launch_bounds__(kThreads, 1) kl_chunks_kernel(const KlArgs a) 
             const int col = warp * 16 + nt * 8 + 2 * t + e;
             float v = 0.f;
             if (row >= 0 && col <= limit) {
-              const float student = il == -INFINITY ? 0.f : exp2f(si[nt][e] * a.index_scale_log2 - il);
+              const float student = il == -INFINITY ? 0.f : fast_exp2(si[nt][e] * a.index_scale_log2 - il);
               v = (student - teacher[r0 * 128 + col]) * a.grad_scale;
             }
             ds[e] = v;
