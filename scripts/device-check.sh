@@ -21,6 +21,7 @@
 #   MSA_SANITIZE       0 skips the memcheck step
 #   MSA_DECODE_BENCH   0 skips msa bench --decode and msa demo
 #   MSA_PYTEST_PATHS   what pytest runs with MSA_PYTHON=1 (default: all of tests/python)
+#   MSA_PACK_LOGS      1 packs every log of OUTDIR into OUTDIR/logs.tar.gz at the end
 # Dependencies: CUDA toolkit, CMake >= 3.25, Ninja, GoogleTest (installed, or its sources in
 # .deps/googletest or /usr/src/googletest, built here), and the header-only nlohmann_json
 # and CLI11 (installed, or a prefix in .deps/prefix).
@@ -137,4 +138,11 @@ echo
 [ -f "$OUT/decode.log" ] && { echo; grep -v "^\[msa" "$OUT/decode.log" | tail -25; }
 # The peer table goes to stdout too: only a few files of OUTDIR may come back from a remote run.
 [ -f "$OUT/peers.log" ] && { echo; tail -30 "$OUT/peers.log"; }
+# With MSA_PACK_LOGS=1 every log goes into one logs.tar.gz beside summary.txt and bench.csv
+# (for runners that bring back only a few files).
+if [ "${MSA_PACK_LOGS:-0}" = "1" ]; then
+  (cd "$OUT" && tar czf /tmp/msa-device-logs.tar.gz --exclude=./summary.txt --exclude=./bench.csv . &&
+    find . -mindepth 1 -maxdepth 1 ! -name summary.txt ! -name bench.csv -exec rm -rf {} + &&
+    mv /tmp/msa-device-logs.tar.gz logs.tar.gz)
+fi
 exit $TEST_RC
