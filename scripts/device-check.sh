@@ -81,16 +81,18 @@ TOOL="$BIN/tools/msa/msa"
 cd "$ROOT"
 timeout 300 "$TESTS" --gtest_filter="$FILTER" --gtest_output="xml:$OUT/gpu_tests.xml" > "$OUT/gpu_tests.log" 2>&1
 TEST_RC=$?
-PASSED=$(grep -c "^\[       OK \]" "$OUT/gpu_tests.log")
-FAILED=$(grep -c "^\[  FAILED  \] [A-Za-z]*\.[A-Za-z]* (" "$OUT/gpu_tests.log")
-SKIPPED=$(grep -c "^\[  SKIPPED \] [A-Za-z]*\." "$OUT/gpu_tests.log")
-note "GPU tests: rc $TEST_RC, $PASSED passed, $FAILED failed, $SKIPPED skipped"
+# "N passed, N failed, N skipped" of a GoogleTest log.
+gtest_counts() {
+  echo "$(grep -c "^\[       OK \]" "$1") passed, $(grep -c "^\[  FAILED  \] [A-Za-z]*\.[A-Za-z]* (" "$1") failed," \
+    "$(grep -c "^\[  SKIPPED \] [A-Za-z]*\." "$1") skipped"
+}
+note "GPU tests: rc $TEST_RC, $(gtest_counts "$OUT/gpu_tests.log")"
 grep -E "^\[  FAILED  \]|Failure|error:" "$OUT/gpu_tests.log" | head -20 | tee -a "$SUMMARY"
 # The mma.sync fallback of the backward, KL and indexer kernels (MSA_CUDA_MMA=sync).
 if [ "${MSA_SYNC_TESTS:-1}" != "0" ]; then
   MSA_CUDA_MMA=sync timeout 200 "$TESTS" --gtest_filter='GpuBackward.*:GpuKl.*:GpuIndexer.*' > "$OUT/gpu_tests_sync.log" 2>&1
   SYNC_RC=$?
-  note "GPU tests on mma.sync: rc $SYNC_RC, $(grep -c "^\[       OK \]" "$OUT/gpu_tests_sync.log") passed, $(grep -c "^\[  FAILED  \] [A-Za-z]*\.[A-Za-z]* (" "$OUT/gpu_tests_sync.log") failed"
+  note "GPU tests on mma.sync: rc $SYNC_RC, $(gtest_counts "$OUT/gpu_tests_sync.log")"
   grep -E "^\[  FAILED  \]|Failure" "$OUT/gpu_tests_sync.log" | head -10 | tee -a "$SUMMARY"
   [ "$SYNC_RC" -ne 0 ] && TEST_RC=$SYNC_RC
 fi

@@ -322,7 +322,8 @@ __global__ void __launch_bounds__(kThreads, 1) forward_tasks_kernel(const Forwar
     // (A warp vote: the wgmma below must be seen as taken by whole warps.)
     const bool same_block =
         __all_sync(0xffffffffu, more && next_blk.x == loaded_g && next_blk.y == loaded_b && next_blk.z == loaded_j);
-    if (same_block) issue_scores(s, q0 + ((n + 1) % kQStages) * kTileBytes, ks, wg);
+    const uint32_t next_qs = q0 + ((n + 1) % kQStages) * kTileBytes;
+    if (same_block) issue_scores(s, next_qs, ks, wg);
     else wgmma_commit();
     wgmma_wait<1>();  // O of task n is complete
     store_partial(a, o, r, m, qs, warp, lane);
@@ -331,7 +332,7 @@ __global__ void __launch_bounds__(kThreads, 1) forward_tasks_kernel(const Forwar
     if (!more) break;
     if (!same_block) {
       load_block(next_blk);
-      issue_scores(s, q0 + ((n + 1) % kQStages) * kTileBytes, ks, wg);
+      issue_scores(s, next_qs, ks, wg);
     }
   }
   wgmma_wait<0>();

@@ -98,6 +98,17 @@ def settings_from(meta):
                            lse_temperature=num("lse_temperature", 1.0), kl_grad_scale=num("kl_grad_scale"))
 
 
+def output_shape_problems(outputs, expected):
+    """One message per output of `expected` ({name: (dtype, shape)}) that is missing or differs."""
+    problems = []
+    for name, (dtype, shape) in expected.items():
+        t = outputs.get(name)
+        if t is None or t.dtype != dtype or t.array.shape != tuple(shape):
+            got = "missing" if t is None else f"{t.dtype} {list(t.array.shape)}"
+            problems.append(f"output {name} must be {dtype} {list(shape)}, got {got}")
+    return problems
+
+
 def check_selection(docs, index_q, index_k, topk, settings, exact):
     """Returns (rows checked, near-ties, first problem or None)."""
     hi = topk.shape[0]
@@ -177,11 +188,7 @@ def run_case(case, msa, backend, threads):
         for name, shape in {"dq": q.shape, "dk": k.shape, "dv": k.shape, "dindex_q": index_q.shape,
                             "dindex_k": index_k.shape}.items():
             expected[name] = ("F32", shape)
-    for name, (dtype, shape) in expected.items():
-        t = outputs.get(name)
-        if t is None or t.dtype != dtype or t.array.shape != tuple(shape):
-            got = "missing" if t is None else f"{t.dtype} {list(t.array.shape)}"
-            problems.append(f"output {name} must be {dtype} {list(shape)}, got {got}")
+    problems += output_shape_problems(outputs, expected)
     if problems:
         row["result"], row["details"] = "FAIL", "; ".join(problems)
         return row
@@ -288,11 +295,7 @@ def check_inference_case(row, inputs, meta, outputs):
 
     problems = []
     expected = {"topk": ("I32", (hi, total_q, 16)), "out": ("BF16", (total_q, hq, 128)), "lse": ("F32", (total_q, hq))}
-    for name, (dtype, shape) in expected.items():
-        t = outputs.get(name)
-        if t is None or t.dtype != dtype or t.array.shape != tuple(shape):
-            got = "missing" if t is None else f"{t.dtype} {list(t.array.shape)}"
-            problems.append(f"output {name} must be {dtype} {list(shape)}, got {got}")
+    problems += output_shape_problems(outputs, expected)
     if problems:
         return {**row, "result": "FAIL", "details": "; ".join(problems)}
 
