@@ -44,6 +44,22 @@ void check_device(const TensorView& t, const char* name, Device device) {
   require(t.device == device, concat(name, " must be on ", to_string(device), " like the other inputs, got ", to_string(t.device)));
 }
 
+void check_rows_aligned(const TensorView& t, const char* name, int bytes) {
+  if (!t.device.is_cuda()) return;
+  const int64_t elem = dtype_size(t.dtype);
+  const auto address = reinterpret_cast<uintptr_t>(t.data);
+  bool ok = address % uintptr_t(bytes) == 0;
+  std::string strides;
+  for (int d = 0; d + 1 < t.rank; ++d) {
+    ok = ok && (t.stride[d] * elem) % bytes == 0;
+    strides += concat(d ? ", " : "", t.stride[d]);
+  }
+  require(ok, concat(name, " on CUDA must have every row start at a ", bytes, "-byte aligned address (data pointer and "
+                     "every row stride a multiple of ", bytes, " bytes), got a data pointer at offset ",
+                     address % uintptr_t(bytes), " mod ", bytes, " and row strides [", strides, "] of ", elem,
+                     "-byte elements"));
+}
+
 void check_tensor(const TensorView& t, const char* name, std::initializer_list<DType> allowed,
                   const std::vector<Dim>& dims, Device device) {
   check_present(t, name);

@@ -45,6 +45,9 @@ void check_present(const TensorView& t, const char* name);
 void check_inner_contiguous(const TensorView& t, const char* name);
 // All present tensors live on `device`.
 void check_device(const TensorView& t, const char* name, Device device);
+// The CUDA kernels copy rows in 16-byte pieces (TMA, cp.async; NVFP4 block scales in 8-byte
+// pieces): on CUDA, every row of `t` must start at such an aligned address. No-op on the CPU.
+void check_rows_aligned(const TensorView& t, const char* name, int bytes);
 
 // Full check of a required tensor: present, dtype, shape, device, contiguous.
 void check_tensor(const TensorView& t, const char* name, std::initializer_list<DType> allowed,

@@ -10,6 +10,7 @@
 
 namespace msa {
 
+using detail::check_rows_aligned;
 using detail::concat;
 using detail::Dim;
 using detail::fail;
@@ -167,24 +168,6 @@ void check_pages_cover(int64_t pages, const InferencePlan& plan, const char* nam
   require(pages > plan.max_physical_page,
           concat(name, " has ", pages, " physical pages but the plan's page_table refers to physical page ",
                  plan.max_physical_page));
-}
-
-// The CUDA paged kernels copy cache and query rows in 16-byte pieces (NVFP4 block scales in
-// 8-byte pieces): on CUDA, every row of `t` must start at such an aligned address.
-void check_rows_aligned(const TensorView& t, const char* name, int bytes) {
-  if (!on_cuda(t)) return;
-  const int64_t elem = dtype_size(t.dtype);
-  const auto address = reinterpret_cast<uintptr_t>(t.data);
-  bool ok = address % uintptr_t(bytes) == 0;
-  std::string strides;
-  for (int d = 0; d + 1 < t.rank; ++d) {
-    ok = ok && (t.stride[d] * elem) % bytes == 0;
-    strides += concat(d ? ", " : "", t.stride[d]);
-  }
-  require(ok, concat(name, " on CUDA must have every row start at a ", bytes, "-byte aligned address (data pointer and "
-                     "every row stride a multiple of ", bytes, " bytes), got a data pointer at offset ",
-                     address % uintptr_t(bytes), " mod ", bytes, " and row strides [", strides, "] of ", elem,
-                     "-byte elements"));
 }
 
 void check_indexer(const InferencePlan& plan, const PagedIndexerParams& p, Device dev) {

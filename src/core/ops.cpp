@@ -132,6 +132,13 @@ void sparse_attention_forward(const Topology& topo, const PackedLayout& L, const
   check_tensor(p.lse, "lse", {DType::f32}, {Dim(L.total_q(), "total_q"), Dim(Hq, "Hq")}, dev);
   check_plan(plan, L, topo, dev);
   if (on_cuda(p.q)) {
+    detail::check_rows_aligned(p.q, "q", 16);
+    detail::check_rows_aligned(p.k, "k", 16);
+    detail::check_rows_aligned(p.v, "v", 16);
+    // The forward's TMA coordinates are 32-bit: 16 partial rows per (query, head).
+    require(16 * L.total_q() * Hq < (int64_t(1) << 31),
+            concat("sparse_attention_forward on CUDA handles total_q * Hq up to 2^27, got total_q ", L.total_q(),
+                   " with Hq ", Hq));
 #if MSA_WITH_CUDA
     return cuda::sparse_attention_forward(topo, L, plan, p, opt);
 #else

@@ -71,6 +71,8 @@ struct PlanState {
   Buffer chunks;          // [capacity, 6] int32: backward / KL work items (as schedule), up to
                           //   kChunkQueries queries each, largest first
   Buffer chunk_count;     // [1] int32
+  Buffer schedule_full;   // [1] int32: leading schedule items that hold q_per_cta queries (the
+                          //   partial items of the rows follow, one per row)
   Buffer chunk_first;     // [Hkv, total_rows] int32: first full chunk of a row
   Buffer chunk_nfull;     // [Hkv, total_rows] int32: full chunks of a row
   Buffer chunk_tail;      // [Hkv, total_rows] int32: index of the row's partial chunk or -1

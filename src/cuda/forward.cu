@@ -2,19 +2,21 @@
 // Warpgroup wg of the CTA computes queries 4wg..4wg+3 of the task; warp w owns one query, whose
 // 16 heads are its 16 rows of the warpgroup's m64 tiles, so each warp applies its own causal
 // limit. S = Q K^T and O = P V both run on wgmma (P straight from registers). Each
-// (query, block) edge writes a normalised bf16 partial output and its LSE into slot
-// split_slot; a second kernel merges the slots of every (query, head) by LSE.
+// (query, block) edge writes its unnormalised bf16 partial output (TMA store) with the row's
+// max and sum of exponentials into slot split_slot; a second kernel merges the slots of every
+// (query, head), dividing once.
 //
 // The CTA is persistent (one per SM) and walks a contiguous share of the task list, so
 // consecutive tasks almost always read the same key block (the schedule lists the full items
 // of a (head, block) row one after another): K and V^T stay in shared memory until the block
 // changes. A producer warpgroup reads the schedule and streams each task's Q rows through four
-// shared-memory stages with cp.async (mbarrier hand-off), so the two computing warpgroups
+// shared-memory stages with TMA (mbarrier hand-off), so the two computing warpgroups
 // never wait on metadata loads; it gives most of its registers to them (setmaxnreg), which
 // lets each computing warpgroup issue S of the next task before the current task's epilogue.
 #include "backend.h"
 #include "cuda/common.cuh"
 #include "cuda/device.cuh"
+#include "cuda/tensor_map.h"
 #include "cuda/wgmma.cuh"
 #include "cuda/workspace.h"
 
@@ -43,17 +45,39 @@ struct ForwardArgs {
   const __nv_bfloat16* v;  // [Tk, Hkv, 128]
   const int32_t* schedule;    // [capacity, 6]
   const int32_t* work_count;  // [1]
+  const int32_t* full_items;  // [1]: the schedule's leading items with q_per_cta queries
   const int32_t* q_indices;   // [Hkv, Tq * 16]
   const int32_t* split_slot;  // [Hkv, Tq * 16]
   const DocInfo* docs;        // [B]
   const int32_t* status;      // [4]
-  __nv_bfloat16* part_o;      // [16, Tq, Hq, 128]
-  float* part_lse;            // [16, Tq, Hq]
+  float2* part_ml;            // [16, Tq, Hq]: (max of S * scale * log2(e), sum of 2^(that - max))
   int64_t total_q;
   int Hq, Hkv;
   int nsub;                   // tasks per schedule item: ceil(q_per_cta / 8)
   float scale_log2;           // softmax scale * log2(e)
 };
+
+// The tasks of this CTA: an equal share of the full items' tasks, consecutive so that the key
+// block rarely changes, then every gridDim.x-th task of the partial items that follow them.
+// Each partial item reads a key block of its own; spread out, no CTA loads them all.
+struct CtaTasks {
+  int64_t first = 0, nfirst = 0, tail0 = 0, ntail = 0;
+  int stride = 1;
+  __device__ int64_t count() const { return nfirst + ntail; }
+  __device__ int64_t task(int64_t n) const { return n < nfirst ? first + n : tail0 + (n - nfirst) * stride; }
+};
+
+__device__ CtaTasks cta_tasks(const ForwardArgs& a) {
+  const int64_t total = int64_t(*a.work_count) * a.nsub, full = int64_t(*a.full_items) * a.nsub;
+  const int64_t G = gridDim.x, c = blockIdx.x;
+  CtaTasks r;
+  r.first = full * c / G;
+  r.nfirst = full * (c + 1) / G - r.first;
+  r.tail0 = full + c;
+  r.ntail = total > r.tail0 ? (total - r.tail0 + G - 1) / G : 0;
+  r.stride = int(G);
+  return r;
+}
 
 // What producer warp pw needs about one task: its key block and, for each of its queries, the
 // packed row (-1: absent), partial slot and last visible key of the block.
@@ -85,33 +109,33 @@ __device__ TaskMeta fetch_task(const ForwardArgs& a, int64_t task, int pw) {
   return m;
 }
 
-// Producer warp pw: writes the metadata of lane `src`'s task and copies its queries' Q rows
-// into `stage` (cp.async); `full` completes when every producer warp's share has landed.
-// Rows of absent queries are zero (they keep the warpgroup's products finite; their results
-// are not written).
-__device__ void produce_task(const ForwardArgs& a, const TaskMeta& mine, int src, uint32_t stage, int* meta,
-                             uint32_t full, int pw, int lane) {
+// Producer warp pw: writes the metadata of lane `src`'s task and has TMA copy its queries' 16
+// Q rows (two 64-column boxes each) into `stage`; `full` completes when every producer warp
+// has arrived and all bytes have landed. Rows of absent queries are read past the end of Q,
+// i.e. as zeros (they keep the warpgroup's products finite; their results are not written).
+__device__ void produce_task(const ForwardArgs& a, const CUtensorMap* q_map, const TaskMeta& mine, int src,
+                             uint32_t stage, int* meta, uint32_t full, int pw, int lane) {
   const int g = __shfl_sync(0xffffffffu, mine.g, src);
   const int b = __shfl_sync(0xffffffffu, mine.b, src);
   const int j = __shfl_sync(0xffffffffu, mine.j, src);
-  // Lane l copies 16-byte chunk (l & 15) of rows 2k + (l >> 4), k = 0..7, of each query: the
-  // same shared-memory offsets for every query but the row base (a multiple of 8 rows).
-  const int rr = lane >> 4, c = lane & 15;
+  int q_row[kQueriesPerProducer];
 #pragma unroll
   for (int i = 0; i < kQueriesPerProducer; ++i) {
     const int r = __shfl_sync(0xffffffffu, mine.row[i], src);
     const int slot = __shfl_sync(0xffffffffu, mine.slot[i], src);
     const int limit = __shfl_sync(0xffffffffu, mine.limit[i], src);
-    const int qw = pw * kQueriesPerProducer + i;
-    if (lane == 0) *reinterpret_cast<int4*>(meta + 4 * qw) = make_int4(r, slot, limit, g);
-    const __nv_bfloat16* q = a.q + (int64_t(max(r, 0)) * a.Hq + 16 * g) * 128 + rr * 128 + c * 8;
-    const int bytes = r >= 0 ? 16 : 0;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) cp_async16(stage + tile_offset(128, 16 * qw + 2 * k + rr, c), q + k * 256, bytes);
+    if (lane == 0) *reinterpret_cast<int4*>(meta + 4 * (pw * kQueriesPerProducer + i)) = make_int4(r, slot, limit, g);
+    q_row[i] = r >= 0 ? r * a.Hq + 16 * g : int(a.total_q) * a.Hq;
   }
-  if (pw == 0 && lane == 0) *reinterpret_cast<int4*>(meta + 4 * kConsumerWarps) = make_int4(g, b, j, 0);
-  mbar_arrive_on_cp_async(full);
-  if (lane == 0) mbar_arrive(full);  // after lane 0's metadata stores
+  if (lane != 0) return;
+  if (pw == 0) *reinterpret_cast<int4*>(meta + 4 * kConsumerWarps) = make_int4(g, b, j, 0);
+  mbar_arrive_expect_tx(full, kQueriesPerProducer * 16 * 256);  // after the metadata stores
+#pragma unroll
+  for (int i = 0; i < kQueriesPerProducer; ++i) {
+    const uint32_t rows = stage + 16 * (pw * kQueriesPerProducer + i) * 128;
+    tma_load_2d(rows, q_map, 0, q_row[i], full);
+    tma_load_2d(rows + 128 * 128, q_map, 64, q_row[i], full);
+  }
 }
 
 // Loads key block j of head g into the K tile (rows = keys) and V transposed into the V^T
@@ -147,20 +171,21 @@ __device__ void load_key_block(const ForwardArgs& a, int g, int b, int j, uint32
   }
 }
 
-// Issues S = Q K^T for warpgroup wg's 4 queries of a task (rows 64wg.. of the Q stage) against
-// the resident key tile; does not wait.
-__device__ __forceinline__ void issue_scores(float (&s)[16][4], uint32_t qs, uint32_t ks, int wg) {
+// Issues S = Q K^T for warpgroup wg's 4 queries of a task (q_desc: rows 64wg.. of the Q
+// stage) against the resident key tile; does not wait.
+__device__ __forceinline__ void issue_scores(float (&s)[16][4], uint64_t q_desc, uint64_t k_desc) {
   wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < 8; ++kk) wgmma_m64n128k16(s, tile_desc(qs, 128, 64 * wg, kk), tile_desc(ks, 128, 0, kk), kk > 0);
+  for (int kk = 0; kk < 8; ++kk)
+    wgmma_m64n128k16(s, q_desc + tile_desc_step(128, kk), k_desc + tile_desc_step(128, kk), kk > 0);
   wgmma_commit();
 }
 
 // Issues O = P V (P from registers, V^T as the K-major B operand); does not wait.
-__device__ __forceinline__ void issue_pv(float (&o)[16][4], const uint32_t (&p)[8][4], uint32_t vts) {
+__device__ __forceinline__ void issue_pv(float (&o)[16][4], const uint32_t (&p)[8][4], uint64_t vt_desc) {
   wgmma_fence();
 #pragma unroll
-  for (int kt = 0; kt < 8; ++kt) wgmma_m64n128k16_rs(o, p[kt], tile_desc(vts, 128, 0, kt), kt > 0);
+  for (int kt = 0; kt < 8; ++kt) wgmma_m64n128k16_rs(o, p[kt], vt_desc + tile_desc_step(128, kt), kt > 0);
   wgmma_commit();
 }
 
@@ -217,40 +242,42 @@ __device__ __forceinline__ RowStats softmax_rows(float (&s)[16][4], uint32_t (&p
   return r;
 }
 
-// Normalises the warp's 16 output rows, stages them in the warp's own (already consumed) Q rows
-// of the stage and writes them as 16-byte rows to partial slot m.y, with their LSE.
-__device__ __forceinline__ void store_partial(const ForwardArgs& a, const float (&o)[16][4], const RowStats& r,
-                                              int4 m, uint32_t qs, int warp, int lane) {
+// Stages the warp's 16 unnormalised output rows in its own (already consumed) Q rows of the
+// stage and has TMA write them to partial slot m.y, with each row's max and sum. Lane 0
+// commits one bulk group per task (empty for an absent query), so that the caller can wait for
+// the stage to be read before handing it back.
+__device__ __forceinline__ void store_partial(const ForwardArgs& a, const CUtensorMap* part_map, const float (&o)[16][4],
+                                              const RowStats& r, int4 m, uint32_t qs, int warp, int lane) {
   const int row = m.x, slot = m.y, g = m.w;
-  if (row < 0) return;
-  const int t = lane & 3, r0 = lane >> 2, r16 = 16 * warp;
-  const float inv0 = 1.f / r.l0, inv1 = 1.f / r.l1;
+  if (row >= 0) {
+    const int r16 = 16 * warp;
 #pragma unroll
-  for (int k = 0; k < 8; ++k)
-    store_rows_x16(qs, 128, r16, k, lane, pack_bf16(o[2 * k][0] * inv0, o[2 * k][1] * inv0),
-                   pack_bf16(o[2 * k][2] * inv1, o[2 * k][3] * inv1), pack_bf16(o[2 * k + 1][0] * inv0, o[2 * k + 1][1] * inv0),
-                   pack_bf16(o[2 * k + 1][2] * inv1, o[2 * k + 1][3] * inv1));
-  __syncwarp();
-  const int64_t out_row = (int64_t(slot) * a.total_q + row) * a.Hq + 16 * g;
-  __nv_bfloat16* dst = a.part_o + out_row * 128;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int c = i * 32 + lane, rr = c >> 4, ch = c & 15;
-    st_global_v4(dst + rr * 128 + ch * 8, ld_shared_v4(qs + tile_offset(128, r16 + rr, ch)));
+    for (int k = 0; k < 8; ++k)
+      store_rows_x16(qs, 128, r16, k, lane, pack_bf16(o[2 * k][0], o[2 * k][1]), pack_bf16(o[2 * k][2], o[2 * k][3]),
+                     pack_bf16(o[2 * k + 1][0], o[2 * k + 1][1]), pack_bf16(o[2 * k + 1][2], o[2 * k + 1][3]));
+    fence_proxy_async();  // the stmatrix writes are read by TMA next
+    __syncwarp();
+    const int out_row = (slot * int(a.total_q) + row) * a.Hq + 16 * g;
+    if (lane == 0) {
+      tma_store_2d(part_map, 0, out_row, qs + r16 * 128);
+      tma_store_2d(part_map, 64, out_row, qs + 128 * 128 + r16 * 128);
+    }
+    if ((lane & 3) == 0) {
+      a.part_ml[out_row + (lane >> 2)] = make_float2(r.ms0, r.l0);
+      a.part_ml[out_row + (lane >> 2) + 8] = make_float2(r.ms1, r.l1);
+    }
   }
-  if (t == 0) {
-    constexpr float kLn2 = 0.6931471805599453f;
-    a.part_lse[out_row + r0] = (r.ms0 + __log2f(r.l0)) * kLn2;
-    a.part_lse[out_row + r0 + 8] = (r.ms1 + __log2f(r.l1)) * kLn2;
-  }
+  if (lane == 0) bulk_commit();
 }
 
-__global__ void __launch_bounds__(kThreads, 1) forward_tasks_kernel(const ForwardArgs a) {
+__global__ void __launch_bounds__(kThreads, 1)
+    forward_tasks_kernel(const ForwardArgs a, const __grid_constant__ CUtensorMap q_map,
+                         const __grid_constant__ CUtensorMap part_map) {
   extern __shared__ __align__(128) unsigned char smem[];
   if (a.status[0] != 0) return;
-  const int64_t tasks = int64_t(*a.work_count) * a.nsub;
-  const int64_t first = tasks * blockIdx.x / gridDim.x, last = tasks * (blockIdx.x + 1) / gridDim.x;
-  if (first >= last) return;
+  const CtaTasks mine_tasks = cta_tasks(a);
+  const int64_t ntasks_cta = mine_tasks.count();
+  if (ntasks_cta == 0) return;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const uint32_t base = align1024(smem_addr(smem));
   unsigned char* base_ptr = smem + (base - smem_addr(smem));
@@ -259,7 +286,7 @@ __global__ void __launch_bounds__(kThreads, 1) forward_tasks_kernel(const Forwar
   const uint32_t bars = base + (2 + kQStages) * kTileBytes + kQStages * kMetaInts * 4;  // full[s], then empty[s]
   if (tid == 0) {
     for (int i = 0; i < kQStages; ++i) {
-      mbar_init(bars + 8 * i, 33 * kProducerWarps);  // per producer warp: 32 cp.async arrivals + lane 0
+      mbar_init(bars + 8 * i, kProducerWarps);  // lane 0 of each producer warp (with its TMA bytes)
       mbar_init(bars + 8 * (kQStages + i), kConsumerWarps);
     }
   }
@@ -268,17 +295,16 @@ __global__ void __launch_bounds__(kThreads, 1) forward_tasks_kernel(const Forwar
   if (warp >= kConsumerWarps) {
     setmaxnreg_dec<kProducerRegs>();
     const int pw = warp - kConsumerWarps;
-    for (int64_t t0 = first; t0 < last; t0 += 32) {
+    for (int64_t n0 = 0; n0 < ntasks_cta; n0 += 32) {
       TaskMeta mine;
-      if (t0 + lane < last) mine = fetch_task(a, t0 + lane, pw);
-      const int count = int(last - t0 < 32 ? last - t0 : 32);
+      if (n0 + lane < ntasks_cta) mine = fetch_task(a, mine_tasks.task(n0 + lane), pw);
+      const int count = int(ntasks_cta - n0 < 32 ? ntasks_cta - n0 : 32);
       for (int k = 0; k < count; ++k) {
-        const int n = int(t0 + k - first), stage = n % kQStages, use = n / kQStages;
+        const int n = int(n0 + k), stage = n % kQStages, use = n / kQStages;
         if (use > 0) mbar_wait(bars + 8 * (kQStages + stage), (use - 1) & 1);
-        produce_task(a, mine, k, q0 + stage * kTileBytes, meta0 + stage * kMetaInts, bars + 8 * stage, pw, lane);
+        produce_task(a, &q_map, mine, k, q0 + stage * kTileBytes, meta0 + stage * kMetaInts, bars + 8 * stage, pw, lane);
       }
     }
-    cp_async_wait<0>();
     return;
   }
 
@@ -300,10 +326,12 @@ __global__ void __launch_bounds__(kThreads, 1) forward_tasks_kernel(const Forwar
     fence_proxy_async();
     named_barrier(kKvBarrier, kConsumers);
   };
-  const int ntasks = int(last - first);  // >= 1
+  const int ntasks = int(ntasks_cta);  // >= 1
+  const uint64_t k_desc = sw128_desc(ks), vt_desc = sw128_desc(vts);
+  auto q_desc = [&](int n) { return sw128_desc(q0 + (n % kQStages) * kTileBytes + 64 * wg * 128); };
   float s[16][4];
   load_block(wait_task(0));
-  issue_scores(s, q0, ks, wg);
+  issue_scores(s, q_desc(0), k_desc);
   for (int n = 0;; ++n) {
     const int stage = n % kQStages;
     const uint32_t qs = q0 + stage * kTileBytes;
@@ -313,7 +341,7 @@ __global__ void __launch_bounds__(kThreads, 1) forward_tasks_kernel(const Forwar
     uint32_t p[8][4];
     const RowStats r = softmax_rows(s, p, m.z, a.scale_log2, t4);
     float o[16][4];
-    issue_pv(o, p, vts);
+    issue_pv(o, p, vt_desc);
     // S of the next task goes to the tensor cores now if its key block is already resident;
     // otherwise an empty group keeps the wait below the same on every path.
     const bool more = __all_sync(0xffffffffu, n + 1 < ntasks);
@@ -322,26 +350,32 @@ __global__ void __launch_bounds__(kThreads, 1) forward_tasks_kernel(const Forwar
     // (A warp vote: the wgmma below must be seen as taken by whole warps.)
     const bool same_block =
         __all_sync(0xffffffffu, more && next_blk.x == loaded_g && next_blk.y == loaded_b && next_blk.z == loaded_j);
-    const uint32_t next_qs = q0 + ((n + 1) % kQStages) * kTileBytes;
-    if (same_block) issue_scores(s, next_qs, ks, wg);
+    if (same_block) issue_scores(s, q_desc(n + 1), k_desc);
     else wgmma_commit();
     wgmma_wait<1>();  // O of task n is complete
-    store_partial(a, o, r, m, qs, warp, lane);
-    __syncwarp();
-    if (lane == 0) mbar_arrive(bars + 8 * (kQStages + stage));
+    store_partial(a, &part_map, o, r, m, qs, warp, lane);
+    // Task n - 1's stage goes back to the producers once its output rows have been read out.
+    if (lane == 0) {
+      bulk_wait_read<1>();
+      if (n > 0) mbar_arrive(bars + 8 * (kQStages + (n - 1) % kQStages));
+    }
     if (!more) break;
     if (!same_block) {
       load_block(next_blk);
-      issue_scores(s, next_qs, ks, wg);
+      issue_scores(s, q_desc(n + 1), k_desc);
     }
   }
   wgmma_wait<0>();
+  if (lane == 0) bulk_wait_read<0>();  // shared memory stays valid until TMA has read it
 }
 
 // Merges the partial states of every (query, head): thread = 8 output dims of one
 // (query, head), so a thread has all of the row's up-to-16 partial loads in flight at once.
+// Partial s holds O_s = sum_k 2^(x_k - m_s) v_k and l_s = sum_k 2^(x_k - m_s) (x: scores in
+// log2 units); with M = max_s m_s and w_s = 2^(m_s - M), out = sum w_s O_s / sum w_s l_s and
+// LSE = (M + log2 sum w_s l_s) ln 2. A NaN anywhere, or no partial, gives zeros and -inf.
 template <typename Out>
-__global__ void forward_merge_kernel(const __nv_bfloat16* __restrict__ part_o, const float* __restrict__ part_lse,
+__global__ void forward_merge_kernel(const __nv_bfloat16* __restrict__ part_o, const float2* __restrict__ part_ml,
                                      const int32_t* __restrict__ split_counts, const int32_t* __restrict__ status,
                                      int64_t total_q, int Hq, int Hkv, Out* __restrict__ out, float* __restrict__ lse) {
   const int64_t gid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -355,17 +389,18 @@ __global__ void forward_merge_kernel(const __nv_bfloat16* __restrict__ part_o, c
   float acc[8];
 #pragma unroll
   for (int e = 0; e < 8; ++e) acc[e] = 0.f;
-  float m = -INFINITY;
+  float result_lse = -INFINITY;
   if (status[0] != 0) {
-    m = NAN;
+    result_lse = NAN;
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[e] = NAN;
   } else if (C > 0) {
-    float l[16];
+    float2 ml[16];
+    float m = -INFINITY;
 #pragma unroll
     for (int s = 0; s < 16; ++s) {
-      l[s] = s < C ? part_lse[s * slot_stride + qh] : -INFINITY;
-      m = fmaxf(m, l[s]);
+      ml[s] = s < C ? part_ml[s * slot_stride + qh] : make_float2(-INFINITY, 0.f);
+      m = fmaxf(m, ml[s].x);
     }
     uint4 raw[16];
 #pragma unroll
@@ -375,8 +410,8 @@ __global__ void forward_merge_kernel(const __nv_bfloat16* __restrict__ part_o, c
 #pragma unroll
     for (int s = 0; s < 16; ++s) {
       if (s >= C) continue;
-      const float w = m > -INFINITY ? __expf(l[s] - m) : 0.f;
-      z += w;
+      const float w = m > -INFINITY ? exp2f(ml[s].x - m) : 0.f;
+      z += w * ml[s].y;
       const uint32_t words[4] = {raw[s].x, raw[s].y, raw[s].z, raw[s].w};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -384,15 +419,15 @@ __global__ void forward_merge_kernel(const __nv_bfloat16* __restrict__ part_o, c
         acc[2 * e + 1] += w * bf16_bits_to_float(uint16_t(words[e] >> 16));
       }
     }
-    if (m > -INFINITY && z > 0.f && isfinite(z)) {
+    if (m > -INFINITY && z > 0.f && isfinite(z) && isfinite(acc[0] + acc[1] + acc[2] + acc[3] + acc[4] + acc[5] + acc[6] + acc[7])) {
       const float inv = 1.f / z;
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[e] *= inv;
-      m = m + logf(z);
+      constexpr float kLn2 = 0.6931471805599453f;
+      result_lse = (m + log2f(z)) * kLn2;
     } else {
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[e] = 0.f;
-      m = -INFINITY;
     }
   }
   Out* dst = out + qh * 128 + chunk * 8;
@@ -403,7 +438,7 @@ __global__ void forward_merge_kernel(const __nv_bfloat16* __restrict__ part_o, c
     st_global_v4(dst, make_uint4(pack_bf16(acc[0], acc[1]), pack_bf16(acc[2], acc[3]), pack_bf16(acc[4], acc[5]),
                                  pack_bf16(acc[6], acc[7])));
   }
-  if (chunk == 0) lse[qh] = m;
+  if (chunk == 0) lse[qh] = result_lse;
 }
 
 }  // namespace
@@ -422,12 +457,12 @@ void sparse_attention_forward(const Topology& topo, const PackedLayout& L, const
   a.v = p.v.as<const __nv_bfloat16>();
   a.schedule = i32(plan.schedule);
   a.work_count = i32(plan.work_count_dev);
+  a.full_items = i32(st.schedule_full);
   a.q_indices = i32(plan.q_indices);
   a.split_slot = i32(plan.split_slot);
   a.docs = doc_ptr(st);
   a.status = i32(plan.status);
-  a.part_o = ws<__nv_bfloat16>(st, w.part_o);
-  a.part_lse = ws<float>(st, w.part_lse);
+  a.part_ml = ws<float2>(st, w.part_ml);
   a.total_q = Tq;
   a.Hq = topo.num_q_heads;
   a.Hkv = topo.num_kv_heads;
@@ -436,16 +471,19 @@ void sparse_attention_forward(const Topology& topo, const PackedLayout& L, const
   const int64_t max_tasks = st.schedule_capacity * a.nsub;
   if (max_tasks > 0) {
     MSA_CUDA_CHECK(cudaFuncSetAttribute(forward_tasks_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    __nv_bfloat16* part_o = ws<__nv_bfloat16>(st, w.part_o);
+    const CUtensorMap q_map = bf16_row_tile_map(a.q, Tq * a.Hq, 16, "q");
+    const CUtensorMap part_map = bf16_row_tile_map(part_o, 16 * Tq * a.Hq, 16, "the partial-output workspace");
     const int grid = int(std::min<int64_t>(max_tasks, sm_count()));
-    forward_tasks_kernel<<<grid, kThreads, kSmemBytes, s>>>(a);
+    forward_tasks_kernel<<<grid, kThreads, kSmemBytes, s>>>(a, q_map, part_map);
     MSA_CUDA_CHECK_LAUNCH("forward_tasks_kernel");
   }
   const int blocks = int(ceil_div(Tq * topo.num_q_heads * 16, 256));
   if (p.out.dtype == DType::f32) {
-    forward_merge_kernel<float><<<blocks, 256, 0, s>>>(a.part_o, a.part_lse, i32(plan.split_counts), a.status, Tq,
+    forward_merge_kernel<float><<<blocks, 256, 0, s>>>(ws<__nv_bfloat16>(st, w.part_o), a.part_ml, i32(plan.split_counts), a.status, Tq,
                                                        a.Hq, a.Hkv, p.out.as<float>(), p.lse.as<float>());
   } else {
-    forward_merge_kernel<__nv_bfloat16><<<blocks, 256, 0, s>>>(a.part_o, a.part_lse, i32(plan.split_counts), a.status,
+    forward_merge_kernel<__nv_bfloat16><<<blocks, 256, 0, s>>>(ws<__nv_bfloat16>(st, w.part_o), a.part_ml, i32(plan.split_counts), a.status,
                                                                Tq, a.Hq, a.Hkv, p.out.as<__nv_bfloat16>(),
                                                                p.lse.as<float>());
   }

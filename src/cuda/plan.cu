@@ -186,11 +186,15 @@ __global__ void items_fill_tail_kernel(const int32_t* __restrict__ row_ptr, cons
                                        const int32_t* __restrict__ full_pos, const int32_t* __restrict__ sorted_key,
                                        const int32_t* __restrict__ sorted_val, int64_t N, int32_t total_rows,
                                        int per_item, const int32_t* __restrict__ rows, int32_t* __restrict__ items,
-                                       int32_t* __restrict__ tail_index, int32_t* __restrict__ work_count) {
+                                       int32_t* __restrict__ tail_index, int32_t* __restrict__ work_count,
+                                       int32_t* __restrict__ full_count) {
   const int64_t P = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (P >= N) return;
   const int64_t total_full = int64_t(full_pos[N - 1]) + nfull[N - 1];
-  if (P == 0) *work_count = int32_t(total_full + lower_bound(sorted_key, N, per_item));
+  if (P == 0) {
+    *work_count = int32_t(total_full + lower_bound(sorted_key, N, per_item));
+    if (full_count) *full_count = int32_t(total_full);
+  }
   const int32_t key = sorted_key[P];
   if (key >= per_item) return;
   const int64_t n = sorted_val[P];
@@ -316,11 +320,12 @@ class Uploader {
 // among equal sizes. Writes `items` ([capacity, 6]) and `work_count` ([1]); optionally the
 // per-row index arrays the deterministic reductions use.
 void build_items(const int32_t* row_ptr, int Hkv, int32_t total_rows, int per_item, int64_t capacity,
-                 const int32_t* rows, int32_t* items, int32_t* work_count, int32_t* first, int32_t* nfull_out,
-                 int32_t* tail_index, cudaStream_t s) {
+                 const int32_t* rows, int32_t* items, int32_t* work_count, int32_t* full_count, int32_t* first,
+                 int32_t* nfull_out, int32_t* tail_index, cudaStream_t s) {
   const int64_t N = int64_t(Hkv) * total_rows;
   if (N == 0) {
     MSA_CUDA_CHECK(cudaMemsetAsync(work_count, 0, sizeof(int32_t), s));
+    if (full_count) MSA_CUDA_CHECK(cudaMemsetAsync(full_count, 0, sizeof(int32_t), s));
     return;
   }
   StreamScratch nfull_s(N * 4, s), pos_s(N * 4, s), key_in(N * 4, s), key_out(N * 4, s), val_in(N * 4, s),
@@ -348,7 +353,7 @@ void build_items(const int32_t* row_ptr, int Hkv, int32_t total_rows, int per_it
   }
   items_fill_tail_kernel<<<blocks_for(N), kThreads, 0, s>>>(row_ptr, nfull, full_pos, key_out.as<int32_t>(),
                                                             val_out.as<int32_t>(), N, total_rows, per_item, rows, items,
-                                                            tail_index, work_count);
+                                                            tail_index, work_count, full_count);
   MSA_CUDA_CHECK_LAUNCH("items_fill_tail_kernel");
 }
 
@@ -404,6 +409,7 @@ void build_plan(const Topology& topo, const PackedLayout& L, const TensorView& t
   state->chunk_capacity = Hkv * (rows + ceil_div(total_q * 16, kChunkQueries));
   state->chunks = Buffer(dev, DType::i32, {std::max<int64_t>(state->chunk_capacity, 1), 6}, sv);
   state->chunk_count = Buffer(dev, DType::i32, {1}, sv);
+  state->schedule_full = Buffer(dev, DType::i32, {1}, sv);
   state->chunk_first = Buffer(dev, DType::i32, {std::max<int64_t>(Hkv * rows, 1)}, sv);
   state->chunk_nfull = Buffer(dev, DType::i32, {std::max<int64_t>(Hkv * rows, 1)}, sv);
   state->chunk_tail = Buffer(dev, DType::i32, {std::max<int64_t>(Hkv * rows, 1)}, sv);
@@ -435,10 +441,11 @@ void build_plan(const Topology& topo, const PackedLayout& L, const TensorView& t
   }
   build_items(static_cast<const int32_t*>(plan.row_ptr.data()), Hkv, int32_t(rows), plan.q_per_cta, schedule_capacity,
               static_cast<const int32_t*>(plan.rows.data()), static_cast<int32_t*>(plan.schedule.data()),
-              static_cast<int32_t*>(plan.work_count_dev.data()), nullptr, nullptr, nullptr, s);
+              static_cast<int32_t*>(plan.work_count_dev.data()), i32(state->schedule_full), nullptr, nullptr, nullptr,
+              s);
   build_items(static_cast<const int32_t*>(plan.row_ptr.data()), Hkv, int32_t(rows), kChunkQueries,
               state->chunk_capacity, static_cast<const int32_t*>(plan.rows.data()), i32(state->chunks),
-              i32(state->chunk_count), i32(state->chunk_first), i32(state->chunk_nfull),
+              i32(state->chunk_count), nullptr, i32(state->chunk_first), i32(state->chunk_nfull),
               i32(state->chunk_tail), s);
 
   allocate_workspace(topo, L, *state, dev, sv);

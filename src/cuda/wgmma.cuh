@@ -21,6 +21,13 @@ __device__ __forceinline__ uint64_t tile_desc(uint32_t tile, int rows, int row0,
   return sw128_desc(tile + uint32_t((kk >> 2) * rows * 128 + row0 * 128 + (kk & 3) * 32));
 }
 
+// What k-step kk adds to the descriptor of a tile's first k-step: tile_desc(t, rows, r0, kk) ==
+// tile_desc(t, rows, r0, 0) + tile_desc_step(rows, kk) (shared addresses stay below 256 KB,
+// so the 14-bit address field never carries). Loops add it to a base computed once.
+__host__ __device__ constexpr uint64_t tile_desc_step(int rows, int kk) {
+  return uint64_t(((kk >> 2) * rows * 128 + (kk & 3) * 32) >> 4);
+}
+
 // Descriptor of k-step kk of an operand read transposed ("MN-major"): the tile's rows are the
 // reduction dimension (rows 16kk..16kk+15) and column half `half` (64 columns) is the M or N
 // dimension, e.g. P^T in dV += P^T dO. With 64 columns there is a single 64-wide group, so

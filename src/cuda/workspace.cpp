@@ -23,7 +23,7 @@ WorkspaceLayout workspace_layout(int64_t Tq, int64_t Tk, int Hkv, int64_t rows, 
   WorkspaceLayout w;
   Cursor fwd;
   w.part_o = fwd.take(16 * Tq * Hq * 128 * 2);
-  w.part_lse = fwd.take(16 * Tq * Hq * 4);
+  w.part_ml = fwd.take(16 * Tq * Hq * 8);
   Cursor det;
   w.dq_part = det.take(16 * Tq * Hq * 128 * 2);
   Cursor atomic;
@@ -34,7 +34,7 @@ WorkspaceLayout workspace_layout(int64_t Tq, int64_t Tk, int Hkv, int64_t rows, 
   w.dqi_part = kl.take(16 * Tq * Hi * 128 * 4);
   w.dqi_acc = kl.take(Tq * Hi * 128 * 4);
   w.dki_acc = kl.take(Tk * 128 * 4);
-  Cursor shared{std::max({det.at, atomic.at, kl.at})};
+  Cursor shared{std::max({fwd.at, det.at, atomic.at, kl.at})};
   w.delta = shared.take(Tq * Hq * 4);
   w.dout16 = shared.take(Tq * Hq * 128 * 2);
   w.kv_chunks = shared.take(chunks * 2 * 128 * 128 * 4);

@@ -12,7 +12,7 @@ namespace msa::cuda {
 struct WorkspaceLayout {
   // forward
   int64_t part_o = 0;    // bf16 [16, Tq, Hq, 128]: partial output of each (query, block) edge
-  int64_t part_lse = 0;  // f32 [16, Tq, Hq]: its natural-log LSE
+  int64_t part_ml = 0;   // f32x2 [16, Tq, Hq]: its row max (log2 units) and sum of exponentials
   // backward
   int64_t delta = 0;     // f32 [Tq, Hq]: rowsum(dO * O)
   int64_t dout16 = 0;    // bf16 [Tq, Hq, 128]: dO when it comes as f32

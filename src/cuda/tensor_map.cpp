@@ -1,0 +1,54 @@
+#include "cuda/tensor_map.h"
+
+#include <cuda_runtime.h>
+#include <cudaTypedefs.h>
+
+#include <mutex>
+#include <sstream>
+
+#include "backend.h"
+#include "cuda/common.cuh"
+
+namespace msa::cuda {
+namespace {
+
+// The driver's encoder, found once through the runtime (no link against the driver library).
+PFN_cuTensorMapEncodeTiled_v12000 encoder() {
+  static PFN_cuTensorMapEncodeTiled_v12000 fn = nullptr;
+  static std::once_flag once;
+  std::call_once(once, [] {
+    void* p = nullptr;
+    cudaDriverEntryPointQueryResult found{};
+    MSA_CUDA_CHECK(cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &p, 12000, cudaEnableDefault, &found));
+    if (found == cudaDriverEntryPointSuccess) fn = reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(p);
+  });
+  if (!fn) throw Error(ErrorKind::runtime, "the CUDA driver does not provide cuTensorMapEncodeTiled (TMA needs driver 12.0+)");
+  return fn;
+}
+
+}  // namespace
+
+CUtensorMap bf16_row_tile_map(const void* base, int64_t rows, int box_rows, const char* what) {
+  if (reinterpret_cast<uintptr_t>(base) % 16 != 0) {
+    std::ostringstream os;
+    os << what << " on CUDA must start at a 16-byte aligned address, got " << base;
+    throw Error(ErrorKind::invalid_argument, os.str());
+  }
+  CUtensorMap map{};
+  const cuuint64_t dims[2] = {128, cuuint64_t(rows > 0 ? rows : 1)};
+  const cuuint64_t strides[1] = {128 * 2};
+  const cuuint32_t box[2] = {64, cuuint32_t(box_rows)};
+  const cuuint32_t element_strides[2] = {1, 1};
+  const CUresult r = encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
+                               element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                               CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    std::ostringstream os;
+    os << "cuTensorMapEncodeTiled for " << what << " failed with error " << int(r) << " (" << rows << " rows at " << base
+       << ")";
+    throw Error(ErrorKind::runtime, os.str());
+  }
+  return map;
+}
+
+}  // namespace msa::cuda
