@@ -130,11 +130,13 @@ __device__ void produce_task(const ForwardArgs& a, const CUtensorMap* q_map, con
   if (lane != 0) return;
   if (pw == 0) *reinterpret_cast<int4*>(meta + 4 * kConsumerWarps) = make_int4(g, b, j, 0);
   mbar_arrive_expect_tx(full, kQueriesPerProducer * 16 * 256);  // after the metadata stores
+  // A query's Q rows come back once per selected block: let them outlive the output stream.
+  const uint64_t keep = l2_evict_last();
 #pragma unroll
   for (int i = 0; i < kQueriesPerProducer; ++i) {
     const uint32_t rows = stage + 16 * (pw * kQueriesPerProducer + i) * 128;
-    tma_load_2d(rows, q_map, 0, q_row[i], full);
-    tma_load_2d(rows + 128 * 128, q_map, 64, q_row[i], full);
+    tma_load_2d(rows, q_map, 0, q_row[i], full, keep);
+    tma_load_2d(rows + 128 * 128, q_map, 64, q_row[i], full, keep);
   }
 }
 
@@ -258,9 +260,10 @@ __device__ __forceinline__ void store_partial(const ForwardArgs& a, const CUtens
     fence_proxy_async();  // the stmatrix writes are read by TMA next
     __syncwarp();
     const int out_row = (slot * int(a.total_q) + row) * a.Hq + 16 * g;
-    if (lane == 0) {
-      tma_store_2d(part_map, 0, out_row, qs + r16 * 128);
-      tma_store_2d(part_map, 64, out_row, qs + 128 * 128 + r16 * 128);
+    if (lane == 0) {  // partial outputs are read back only by the merge, long after
+      const uint64_t stream = l2_evict_first();
+      tma_store_2d(part_map, 0, out_row, qs + r16 * 128, stream);
+      tma_store_2d(part_map, 64, out_row, qs + 128 * 128 + r16 * 128, stream);
     }
     if ((lane & 3) == 0) {
       a.part_ml[out_row + (lane >> 2)] = make_float2(r.ms0, r.l0);
