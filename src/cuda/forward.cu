@@ -373,14 +373,18 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // Merges the partial states of every (query, head): thread = 8 output dims of one
-// (query, head), so a thread has all of the row's up-to-16 partial loads in flight at once.
-// Partial s holds O_s = sum_k 2^(x_k - m_s) v_k and l_s = sum_k 2^(x_k - m_s) (x: scores in
-// log2 units); with M = max_s m_s and w_s = 2^(m_s - M), out = sum w_s O_s / sum w_s l_s and
-// LSE = (M + log2 sum w_s l_s) ln 2. A NaN anywhere, or no partial, gives zeros and -inf.
+// (query, head). Partial s holds O_s = sum_k 2^(x_k - m_s) v_k and l_s = sum_k 2^(x_k - m_s)
+// (x: scores in log2 units); with M = max_s m_s and w_s = 2^(m_s - M), out = sum w_s O_s /
+// sum w_s l_s and LSE = (M + log2 sum w_s l_s) ln 2. A NaN anywhere, or no partial, gives
+// zeros and -inf. The slots are read in batches of 4 (the loads of a batch in flight together),
+// which keeps the kernel at 64 registers: 32 resident warps per SM overlap the dependent loads
+// (counts, maxima, partials) of many rows, which is what this memory-bound kernel needs.
+constexpr int kMergeThreads = 256;
 template <typename Out>
-__global__ void forward_merge_kernel(const __nv_bfloat16* __restrict__ part_o, const float2* __restrict__ part_ml,
-                                     const int32_t* __restrict__ split_counts, const int32_t* __restrict__ status,
-                                     int64_t total_q, int Hq, int Hkv, Out* __restrict__ out, float* __restrict__ lse) {
+__global__ void __launch_bounds__(kMergeThreads, 4)
+    forward_merge_kernel(const __nv_bfloat16* __restrict__ part_o, const float2* __restrict__ part_ml,
+                         const int32_t* __restrict__ split_counts, const int32_t* __restrict__ status, int64_t total_q,
+                         int Hq, int Hkv, Out* __restrict__ out, float* __restrict__ lse) {
   const int64_t gid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (gid >= total_q * Hq * 16) return;
   const int64_t qh = gid >> 4;  // query * Hq + head
@@ -398,31 +402,41 @@ __global__ void forward_merge_kernel(const __nv_bfloat16* __restrict__ part_o, c
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[e] = NAN;
   } else if (C > 0) {
-    float2 ml[16];
-    float m = -INFINITY;
-#pragma unroll
-    for (int s = 0; s < 16; ++s) {
-      ml[s] = s < C ? part_ml[s * slot_stride + qh] : make_float2(-INFINITY, 0.f);
-      m = fmaxf(m, ml[s].x);
-    }
-    uint4 raw[16];
+    const float2* ml_row = part_ml + qh;                   // slot s at ml_row[s * slot_stride]
+    const __nv_bfloat16* o_row = part_o + qh * 128 + chunk * 8;  // slot s at o_row[s * slot_stride * 128]
+    float m = -INFINITY;  // M (the maxima are read again with the partials; they are cached)
 #pragma unroll
     for (int s = 0; s < 16; ++s)
-      if (s < C) raw[s] = *reinterpret_cast<const uint4*>(part_o + (s * slot_stride + qh) * 128 + chunk * 8);
+      if (s < C) m = fmaxf(m, ml_row[s * slot_stride].x);
     float z = 0.f;
 #pragma unroll
-    for (int s = 0; s < 16; ++s) {
-      if (s >= C) continue;
-      const float w = m > -INFINITY ? exp2f(ml[s].x - m) : 0.f;
-      z += w * ml[s].y;
-      const uint32_t words[4] = {raw[s].x, raw[s].y, raw[s].z, raw[s].w};
+    for (int batch = 0; batch < 4; ++batch) {
+      uint4 raw[4];
+      float2 ml[4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        acc[2 * e] += w * bf16_bits_to_float(uint16_t(words[e] & 0xffff));
-        acc[2 * e + 1] += w * bf16_bits_to_float(uint16_t(words[e] >> 16));
+      for (int i = 0; i < 4; ++i) {
+        const int s = 4 * batch + i;
+        if (s < C) {
+          raw[i] = *reinterpret_cast<const uint4*>(o_row + s * slot_stride * 128);
+          ml[i] = ml_row[s * slot_stride];
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int s = 4 * batch + i;
+        if (s >= C) continue;
+        const float w = m > -INFINITY ? exp2f(ml[i].x - m) : 0.f;
+        z += w * ml[i].y;
+        const uint32_t words[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          acc[2 * e] += w * bf16_bits_to_float(uint16_t(words[e] & 0xffff));
+          acc[2 * e + 1] += w * bf16_bits_to_float(uint16_t(words[e] >> 16));
+        }
       }
     }
-    if (m > -INFINITY && z > 0.f && isfinite(z) && isfinite(acc[0] + acc[1] + acc[2] + acc[3] + acc[4] + acc[5] + acc[6] + acc[7])) {
+    if (m > -INFINITY && z > 0.f && isfinite(z) &&
+        isfinite(acc[0] + acc[1] + acc[2] + acc[3] + acc[4] + acc[5] + acc[6] + acc[7])) {
       const float inv = 1.f / z;
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[e] *= inv;
@@ -481,12 +495,12 @@ void sparse_attention_forward(const Topology& topo, const PackedLayout& L, const
     forward_tasks_kernel<<<grid, kThreads, kSmemBytes, s>>>(a, q_map, part_map);
     MSA_CUDA_CHECK_LAUNCH("forward_tasks_kernel");
   }
-  const int blocks = int(ceil_div(Tq * topo.num_q_heads * 16, 256));
+  const int blocks = int(ceil_div(Tq * topo.num_q_heads * 16, kMergeThreads));
   if (p.out.dtype == DType::f32) {
-    forward_merge_kernel<float><<<blocks, 256, 0, s>>>(ws<__nv_bfloat16>(st, w.part_o), a.part_ml, i32(plan.split_counts), a.status, Tq,
+    forward_merge_kernel<float><<<blocks, kMergeThreads, 0, s>>>(ws<__nv_bfloat16>(st, w.part_o), a.part_ml, i32(plan.split_counts), a.status, Tq,
                                                        a.Hq, a.Hkv, p.out.as<float>(), p.lse.as<float>());
   } else {
-    forward_merge_kernel<__nv_bfloat16><<<blocks, 256, 0, s>>>(ws<__nv_bfloat16>(st, w.part_o), a.part_ml, i32(plan.split_counts), a.status,
+    forward_merge_kernel<__nv_bfloat16><<<blocks, kMergeThreads, 0, s>>>(ws<__nv_bfloat16>(st, w.part_o), a.part_ml, i32(plan.split_counts), a.status,
                                                                Tq, a.Hq, a.Hkv, p.out.as<__nv_bfloat16>(),
                                                                p.lse.as<float>());
   }
