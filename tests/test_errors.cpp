@@ -235,6 +235,23 @@ TEST_F(Errors, TensorsOnDifferentDevices) {
   expect_rejected([&] { select(p); }, {"index_k must be on cpu", "cuda:0"});
 }
 
+// The CUDA forward moves q, k and v rows with TMA: on CUDA they must start at 16-byte
+// aligned addresses. Refused in validation (with or without the CUDA backend built), before
+// any device work; the pointers here are never dereferenced.
+TEST_F(Errors, MisalignedCudaForwardInputs) {
+  SparsePlan cuda_plan = plan;
+  cuda_plan.device = Device::cuda(0);
+  for (const char* name : {"q", "k", "v"}) {
+    auto p = forward_params();
+    for (TensorView* t : {&p.q, &p.k, &p.v, &p.topk, &p.out, &p.lse}) t->device = Device::cuda(0);
+    TensorView& bad = std::string(name) == "q" ? p.q : std::string(name) == "k" ? p.k : p.v;
+    bad.data = static_cast<char*>(bad.data) + 2;
+    expect_rejected([&] { sparse_attention_forward(topo, L, cuda_plan, p); },
+                    {std::string(name) + " on CUDA must have every row start at a 16-byte aligned address",
+                     "offset 2 mod 16"});
+  }
+}
+
 #if !MSA_WITH_CUDA
 TEST_F(Errors, CudaTensorsWithoutCudaBackend) {
   auto p = select_params();
