@@ -4,7 +4,7 @@
 #   2. runs the GPU tests (GoogleTest filter Gpu*);
 #   3. runs compute-sanitizer memcheck on small GPU cases;
 #   4. runs the GPU benchmark (bench/gpu_bench.cpp) at 4k..128k tokens, the decode benchmark
-#      (msa bench --decode) and msa demo;
+#      (msa bench --decode), msa demo and the independent run-case check with --backend cuda;
 #   5. with MSA_PYTHON=1: builds the Python package with its CUDA backend, runs the Python
 #      tests (GPU ones included) and bench/peers.py at MSA_PEERS_TOKENS (default 4096,16384).
 # Logs go to OUTDIR; a short summary table is printed last.
@@ -20,6 +20,7 @@
 #   MSA_SYNC_TESTS     0 skips the backward / KL / indexer tests on the mma.sync fallback
 #   MSA_SANITIZE       0 skips the memcheck step
 #   MSA_DECODE_BENCH   0 skips msa bench --decode and msa demo
+#   MSA_INDEPENDENT    0 skips the independent run-case check (tests/independent) on cuda
 #   MSA_PYTEST_PATHS   what pytest runs with MSA_PYTHON=1 (default: all of tests/python)
 #   MSA_PACK_LOGS      1 packs every log of OUTDIR into OUTDIR/logs.tar.gz at the end
 # Dependencies: CUDA toolkit, CMake >= 3.25, Ninja, GoogleTest (installed, or its sources in
@@ -115,6 +116,13 @@ if [ "${MSA_DECODE_BENCH:-1}" != "0" ]; then
   note "decode benchmark: rc $?"
   timeout 120 "$TOOL" demo > "$OUT/demo.log" 2>&1
   note "msa demo: rc $?"
+fi
+# Cases written by independent programs (tests/independent: NumPy float64 oracle from the
+# spec) through `msa run-case --backend cuda`.
+if [ "${MSA_INDEPENDENT:-1}" != "0" ]; then
+  timeout 600 python3 "$ROOT/tests/independent/check_cases.py" --msa "$TOOL" --backend cuda --work "$BUILD/independent" \
+    > "$OUT/independent.log" 2>&1
+  note "independent run-case check on cuda: rc $? ($(tail -1 "$OUT/independent.log"))"
 fi
 # Python package on the GPU. The package is built with the system compiler: a toolchain
 # that links libstdc++ statically into shared objects gives a module that crashes in its
