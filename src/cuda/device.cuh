@@ -155,11 +155,6 @@ __device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
 }
-// Arrives once every cp.async this thread issued so far has landed (counts toward the
-// barrier's expected arrivals).
-__device__ __forceinline__ void mbar_arrive_on_cp_async(uint32_t bar) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(bar) : "memory");
-}
 // Waits until the phase of the given parity has completed.
 __device__ __forceinline__ void mbar_wait(uint32_t bar, int parity) {
   asm volatile(

@@ -6,10 +6,10 @@
 // max and sum of exponentials into slot split_slot; a second kernel merges the slots of every
 // (query, head), dividing once.
 //
-// The CTA is persistent (one per SM) and walks a contiguous share of the task list, so
+// The CTA is persistent (one per SM) and walks a contiguous share of the full items' tasks, so
 // consecutive tasks almost always read the same key block (the schedule lists the full items
 // of a (head, block) row one after another): K and V^T stay in shared memory until the block
-// changes. A producer warpgroup reads the schedule and streams each task's Q rows through four
+// changes. The partial items that follow are dealt out round robin (CtaTasks). A producer warpgroup reads the schedule and streams each task's Q rows through four
 // shared-memory stages with TMA (mbarrier hand-off), so the two computing warpgroups
 // never wait on metadata loads; it gives most of its registers to them (setmaxnreg), which
 // lets each computing warpgroup issue S of the next task before the current task's epilogue.
@@ -375,10 +375,11 @@ __global__ void __launch_bounds__(kThreads, 1)
 // Merges the partial states of every (query, head): thread = 8 output dims of one
 // (query, head). Partial s holds O_s = sum_k 2^(x_k - m_s) v_k and l_s = sum_k 2^(x_k - m_s)
 // (x: scores in log2 units); with M = max_s m_s and w_s = 2^(m_s - M), out = sum w_s O_s /
-// sum w_s l_s and LSE = (M + log2 sum w_s l_s) ln 2. A NaN anywhere, or no partial, gives
-// zeros and -inf. The slots are read in batches of 4 (the loads of a batch in flight together),
-// which keeps the kernel at 64 registers: 32 resident warps per SM overlap the dependent loads
-// (counts, maxima, partials) of many rows, which is what this memory-bound kernel needs.
+// sum w_s l_s and LSE = (M + log2 sum w_s l_s) ln 2. No partial, or a sum that is not
+// finite (NaN scores), gives zeros and -inf; NaN in the partial values carries into out. The
+// slots are read in batches of 4 (the loads of a batch in flight together), which keeps the
+// kernel at 64 registers: 32 resident warps per SM overlap the dependent loads (counts, maxima,
+// partials) of many rows, which is what this memory-bound kernel needs.
 constexpr int kMergeThreads = 256;
 template <typename Out>
 __global__ void __launch_bounds__(kMergeThreads, 4)
@@ -435,8 +436,7 @@ __global__ void __launch_bounds__(kMergeThreads, 4)
         }
       }
     }
-    if (m > -INFINITY && z > 0.f && isfinite(z) &&
-        isfinite(acc[0] + acc[1] + acc[2] + acc[3] + acc[4] + acc[5] + acc[6] + acc[7])) {
+    if (m > -INFINITY && z > 0.f && isfinite(z)) {
       const float inv = 1.f / z;
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[e] *= inv;

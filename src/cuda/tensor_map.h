@@ -11,8 +11,8 @@ namespace msa::cuda {
 // Describes `rows` rows of 128 bf16 at `base` (256-byte row stride), copied in boxes of
 // `box_rows` rows x 64 columns with the 128-byte swizzle of the shared-memory tiles
 // (device.cuh): one box fills rows r.. of one column half of a tile. Rows past the end read
-// as zero. `what` names the tensor in the error raised when the address is unusable (TMA needs
-// a 16-byte aligned base).
+// as zero. The base must be 16-byte aligned (validation checks user tensors); `what` names the
+// tensor in the error raised when the driver refuses the descriptor.
 CUtensorMap bf16_row_tile_map(const void* base, int64_t rows, int box_rows, const char* what);
 
 }  // namespace msa::cuda
