@@ -118,9 +118,10 @@ if [ "${MSA_DECODE_BENCH:-1}" != "0" ]; then
   note "msa demo: rc $?"
 fi
 # Cases written by independent programs (tests/independent: NumPy float64 oracle from the
-# spec) through `msa run-case --backend cuda`.
+# spec) through `msa run-case --backend cuda`, each also run with --backend cpu and the two
+# results compared directly.
 if [ "${MSA_INDEPENDENT:-1}" != "0" ]; then
-  timeout 600 python3 "$ROOT/tests/independent/check_cases.py" --msa "$TOOL" --backend cuda --work "$BUILD/independent" \
+  timeout 600 python3 "$ROOT/tests/independent/check_cases.py" --msa "$TOOL" --backend cuda --compare-with cpu --work "$BUILD/independent" \
     > "$OUT/independent.log" 2>&1
   note "independent run-case check on cuda: rc $? ($(tail -1 "$OUT/independent.log"))"
 fi

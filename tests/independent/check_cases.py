@@ -14,9 +14,16 @@ Generates the cases of make_cases.py, runs `msa run-case` on each and compares:
     oracle in inference_np.py): the same selection rules on the unscaled page scores (near-tie
     slack 5e-3 x max(1, largest |score| of the row)), then out and LSE over msa's selection;
     rows without keys (seq_len 0) must give all -1, out 0 and LSE -inf.
+With --compare-with BACKEND every case also runs on that backend and the two result files are
+compared directly: integer outputs (the selection) element by element, float outputs by relative
+L2 (out <= 2e-2, gradients <= 5e-2: twice what each backend may differ from the oracle) and LSEs
+by largest difference (4e-3), with infinities in the same places. Where the selections differ
+(allowed only at near-ties, which the oracle check of each backend vouches for) the float
+outputs are reported, not judged.
 Prints one row per case and exits 1 if any case fails; exits 77 (skipped) without NumPy.
 
     python3 check_cases.py --msa build/tools/msa/msa [--work DIR] [--backend cpu|cuda|auto]
+                           [--compare-with cpu|cuda]
 """
 
 import argparse
@@ -41,6 +48,8 @@ import safetensors_np as st  # noqa: E402
 OUT_TOL, LSE_TOL, INDEX_LSE_TOL, MIN_COSINE, NEAR_TIE, MAX_OUT_REL_L2 = 3e-2, 1e-3, 2e-3, 0.99, 5e-3, 1e-2
 # Per-row relative error allowed for out and gradients (bf16 rounding gives ~2e-3 per row).
 MAX_ROW_ERROR = 2e-2
+# Cross-backend limits (--compare-with): each backend is within half of these of the oracle.
+CROSS_OUT_REL_L2, CROSS_GRAD_REL_L2, CROSS_LSE_DIFF = 2e-2, 5e-2, 4e-3
 
 
 def rel_l2(x, ref):
@@ -144,8 +153,9 @@ def check_selection(docs, index_q, index_k, topk, settings, exact):
     return rows, near, None
 
 
-def run_case(case, msa, backend, threads):
-    out_path = case.path.replace(".safetensors", ".out.safetensors")
+def run_msa(case, msa, backend, threads, suffix):
+    """Runs `msa run-case` on the case; returns (process, output path, seconds)."""
+    out_path = case.path.replace(".safetensors", f".{suffix}.safetensors")
     if os.path.exists(out_path):
         os.remove(out_path)
     cmd = [msa, "run-case", "--in", case.path, "--out", out_path, "--backend", backend]
@@ -153,8 +163,65 @@ def run_case(case, msa, backend, threads):
         cmd += ["--threads", str(threads)]
     start = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)
-    seconds = time.time() - start
-    row = {"case": case.name, "msa": f"{seconds:.1f} s"}
+    return proc, out_path, time.time() - start
+
+
+def compare_backends(mine, other, other_backend):
+    """Direct comparison of two run-case result files of one case. Returns (summary, problems)."""
+    problems = []
+    if sorted(mine) != sorted(other):
+        return "outputs differ", [f"outputs {sorted(mine)} vs {other_backend}'s {sorted(other)}"]
+    differing_ints = 0
+    for name, t in mine.items():
+        if t.dtype != other[name].dtype or t.array.shape != other[name].array.shape:
+            problems.append(f"{name}: {t.dtype} {list(t.array.shape)} vs {other_backend}'s "
+                            f"{other[name].dtype} {list(other[name].array.shape)}")
+        elif t.dtype.startswith("I"):
+            differing_ints += int(np.count_nonzero(t.array != other[name].array))
+    if problems:
+        return "outputs differ", problems
+    worst_l2, worst_lse = 0.0, 0.0
+    for name, t in sorted(mine.items()):
+        if t.dtype.startswith("I"):
+            continue
+        x, ref = as_f64(t), as_f64(other[name])
+        if not np.array_equal(np.isfinite(x), np.isfinite(ref)) or not np.array_equal(x[np.isinf(x)], ref[np.isinf(ref)]):
+            problems.append(f"{name}: non-finite values in other places than on {other_backend}")
+            continue
+        finite = np.isfinite(ref)
+        if name.endswith("lse"):
+            diff = float(np.max(np.abs(x[finite] - ref[finite]), initial=0.0))
+            worst_lse = max(worst_lse, diff)
+            if differing_ints == 0 and diff > CROSS_LSE_DIFF:
+                problems.append(f"{name}: largest difference {diff:.2e} from {other_backend} (<= {CROSS_LSE_DIFF})")
+        else:
+            err = rel_l2(x[finite], ref[finite])
+            worst_l2 = max(worst_l2, err)
+            limit = CROSS_OUT_REL_L2 if name == "out" else CROSS_GRAD_REL_L2
+            if differing_ints == 0 and not err <= limit:
+                problems.append(f"{name}: relative L2 {err:.2e} from {other_backend} (<= {limit})")
+    selection = "same ids" if differing_ints == 0 else f"{differing_ints} ids differ"
+    return f"{selection}, L2 {worst_l2:.1e}, lse {worst_lse:.1e}", problems
+
+
+def run_case(case, msa, backend, threads, compare_with=""):
+    row = check_case(case, msa, backend, threads)
+    if not compare_with or case.expect_error or row["result"] != "ok":
+        return row
+    proc, other_path, _ = run_msa(case, msa, compare_with, threads, compare_with)
+    if proc.returncode != 0:
+        return {**row, "result": "FAIL", "vs " + compare_with: "failed",
+                "details": f"msa run-case --backend {compare_with} exited with {proc.returncode}: {proc.stderr.strip()}"}
+    summary, problems = compare_backends(st.read(row["output"])[0], st.read(other_path)[0], compare_with)
+    row["vs " + compare_with] = summary
+    if problems:
+        row["result"], row["details"] = "FAIL", "; ".join(problems)
+    return row
+
+
+def check_case(case, msa, backend, threads):
+    proc, out_path, seconds = run_msa(case, msa, backend, threads, "out")
+    row = {"case": case.name, "msa": f"{seconds:.1f} s", "output": out_path}
 
     if case.expect_error:
         ok = proc.returncode == 2 and re.search(case.expect_error, proc.stderr) and not os.path.exists(out_path)
@@ -360,9 +427,9 @@ def check_inference_case(row, inputs, meta, outputs):
     return row
 
 
-def print_table(rows):
-    columns = ["case", "shape", "selection", "idx lse err", "out rel L2", "lse err", "grad cos (min)", "worst row", "msa",
-               "result"]
+def print_table(rows, compare_with=""):
+    columns = ["case", "shape", "selection", "idx lse err", "out rel L2", "lse err", "grad cos (min)", "worst row", "msa"]
+    columns += (["vs " + compare_with] if compare_with else []) + ["result"]
     width = {c: max(len(c), *(len(str(r.get(c, "-"))) for r in rows)) for c in columns}
     print("  ".join(c.ljust(width[c]) for c in columns).rstrip())
     print("-" * (sum(width.values()) + 2 * (len(columns) - 1)))
@@ -378,6 +445,8 @@ def main():
     parser.add_argument("--msa", required=True, help="path to the msa executable")
     parser.add_argument("--work", default="independent_cases", help="folder for inputs and outputs")
     parser.add_argument("--backend", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--compare-with", default="", choices=["", "cpu", "cuda"],
+                        help="also run every case on this backend and compare the two results directly")
     parser.add_argument("--threads", type=int, default=0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--cases", default="", help="comma-separated case names (default: all)")
@@ -393,11 +462,12 @@ def main():
     rows = []
     for case in cases:
         print(f"[check_cases] {case.name}: {case.description}", file=sys.stderr, flush=True)
-        rows.append(run_case(case, args.msa, args.backend, args.threads))
-    print_table(rows)
+        rows.append(run_case(case, args.msa, args.backend, args.threads, args.compare_with))
+    print_table(rows, args.compare_with)
     failed = [r["case"] for r in rows if r["result"] != "ok"]
+    agreement = f" and --backend {args.compare_with}" if args.compare_with else ""
     print(f"\n{'FAIL' if failed else 'PASS'}: {len(rows) - len(failed)}/{len(rows)} cases match the float64 NumPy oracle"
-          + (f" (failed: {', '.join(failed)})" if failed else ""))
+          + agreement + (f" (failed: {', '.join(failed)})" if failed else ""))
     return 1 if failed else 0
 
 
