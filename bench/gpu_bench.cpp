@@ -4,7 +4,9 @@
 //   coherent:    index queries drift slowly along the sequence, so neighbours select
 //                mostly the same blocks.
 // Timing: CUDA events around each call on one stream, warm-up excluded, median of --reps
-// (the plan: host clock from the call to the end of its device work, allocations included).
+// (the plan: host clock from the call to the end of its device work; "plan" with one
+// workspace given to every plan, as a training loop keeps one, "+alloc" with the plan
+// allocating its own workspace, as without PlanOptions::workspace).
 // Useful FLOPs: forward 4 * Hq * 128 * (visible (query, key) pairs), backward 2.5x forward,
 // indexer 2 * 128 * Hi * causal pairs, KL 8 * 128 * (group-16 main scores + index scores)
 // per visible pair counted as in docs/performance.md.
@@ -125,7 +127,7 @@ double used_gib() {
 struct Row {
   int64_t T;
   std::string dist;
-  double union8, sel_ms, plan_ms, fwd_ms, bwd_ms, bwd_det_ms, kl_ms, fwd_tf, bwd_tf, sel_tf, kl_tf, peak_gib;
+  double union8, sel_ms, plan_ms, plan_alloc_ms, fwd_ms, bwd_ms, bwd_det_ms, kl_ms, fwd_tf, bwd_tf, sel_tf, kl_tf, peak_gib;
 };
 
 }  // namespace
@@ -169,7 +171,7 @@ int main(int argc, char** argv) {
   FILE* csv = out_path.empty() ? nullptr : std::fopen(out_path.c_str(), "w");
   if (csv)
     std::fprintf(csv, "tokens,selection,union8,indexer_ms,plan_ms,forward_ms,backward_ms,backward_det_ms,kl_ms,"
-                      "forward_tflops,backward_tflops,indexer_tflops,kl_tflops,peak_gib\n");
+                      "forward_tflops,backward_tflops,indexer_tflops,kl_tflops,peak_gib,plan_alloc_ms\n");
 
   for (const int64_t T : sizes) {
     const PackedLayout L = PackedLayout::from_cu_seqlens({0, int32_t(T)}, {0, int32_t(T)});
@@ -203,17 +205,24 @@ int main(int argc, char** argv) {
       r.sel_ms = time_ms(s, 2, reps, [&] { select_blocks(topo, L, sp, opt); });
       // Plan: each build is timed from its call to the end of its device work; the plan is
       // freed outside the timed window (its allocations are inside it).
-      std::vector<double> plan_ms;
-      for (int i = 0; i < std::min(reps, 5) + 1; ++i) {
-        BENCH_CUDA(cudaStreamSynchronize(s));
-        const auto h0 = std::chrono::steady_clock::now();
-        SparsePlan p = build_plan(topo, L, topk.view, {}, opt);
-        BENCH_CUDA(cudaStreamSynchronize(s));
-        const auto h1 = std::chrono::steady_clock::now();
-        if (i > 0) plan_ms.push_back(std::chrono::duration<double, std::milli>(h1 - h0).count());
-      }
-      r.plan_ms = median(plan_ms);
-      SparsePlan plan = build_plan(topo, L, topk.view, {}, opt);
+      const DeviceBuf workspace(DType::u8, {plan_workspace_bytes(topo, L, Device::cuda(0))});
+      PlanOptions reuse;
+      reuse.workspace = workspace.view;
+      auto time_plans = [&](const PlanOptions& options) {
+        std::vector<double> plan_ms;
+        for (int i = 0; i < std::min(reps, 5) + 1; ++i) {
+          BENCH_CUDA(cudaStreamSynchronize(s));
+          const auto h0 = std::chrono::steady_clock::now();
+          SparsePlan p = build_plan(topo, L, topk.view, options, opt);
+          BENCH_CUDA(cudaStreamSynchronize(s));
+          const auto h1 = std::chrono::steady_clock::now();
+          if (i > 0) plan_ms.push_back(std::chrono::duration<double, std::milli>(h1 - h0).count());
+        }
+        return median(plan_ms);
+      };
+      r.plan_ms = time_plans(reuse);
+      r.plan_alloc_ms = time_plans({});
+      SparsePlan plan = build_plan(topo, L, topk.view, reuse, opt);
       BENCH_CUDA(cudaStreamSynchronize(s));
 
       // Useful work from the selection.
@@ -280,22 +289,23 @@ int main(int argc, char** argv) {
       r.sel_tf = sel_flops / (r.sel_ms * 1e9);
       r.kl_tf = kl_flops / (r.kl_ms * 1e9);
       rows.push_back(r);
-      std::printf("T=%-7lld %-11s union8 %5.1f | indexer %8.3f ms %6.1f TF/s | plan %7.3f ms | fwd %8.3f ms %6.1f TF/s | "
+      std::printf("T=%-7lld %-11s union8 %5.1f | indexer %8.3f ms %6.1f TF/s | plan %7.3f ms (+alloc %7.3f) | fwd %8.3f ms %6.1f TF/s | "
                   "bwd %8.3f ms %6.1f TF/s (det %8.3f) | kl %8.3f ms | mem %.1f GiB\n",
-                  (long long)T, dist, r.union8, r.sel_ms, r.sel_tf, r.plan_ms, r.fwd_ms, r.fwd_tf, r.bwd_ms, r.bwd_tf,
+                  (long long)T, dist, r.union8, r.sel_ms, r.sel_tf, r.plan_ms, r.plan_alloc_ms, r.fwd_ms, r.fwd_tf, r.bwd_ms, r.bwd_tf,
                   r.bwd_det_ms, r.kl_ms, r.peak_gib);
       std::fflush(stdout);
       if (csv)
-        std::fprintf(csv, "%lld,%s,%.2f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%.1f,%.1f,%.1f,%.1f,%.2f\n", (long long)T, dist,
-                     r.union8, r.sel_ms, r.plan_ms, r.fwd_ms, r.bwd_ms, r.bwd_det_ms, r.kl_ms, r.fwd_tf, r.bwd_tf,
-                     r.sel_tf, r.kl_tf, r.peak_gib);
+        std::fprintf(csv, "%lld,%s,%.2f,%.4f,%.4f,%.4f,%.4f,%.4f,%.4f,%.1f,%.1f,%.1f,%.1f,%.2f,%.4f\n", (long long)T,
+                     dist, r.union8, r.sel_ms, r.plan_ms, r.fwd_ms, r.bwd_ms, r.bwd_det_ms, r.kl_ms, r.fwd_tf, r.bwd_tf,
+                     r.sel_tf, r.kl_tf, r.peak_gib, r.plan_alloc_ms);
     }
   }
   if (csv) std::fclose(csv);
-  std::printf("\n%8s %-11s %6s %9s %8s %9s %7s %9s %7s %9s %9s %6s\n", "tokens", "selection", "union8", "index ms",
-              "plan ms", "fwd ms", "fwd TF", "bwd ms", "bwd TF", "bwd det", "kl ms", "GiB");
+  std::printf("\n%8s %-11s %6s %9s %8s %8s %9s %7s %9s %7s %9s %9s %6s\n", "tokens", "selection", "union8", "index ms",
+              "plan ms", "+alloc", "fwd ms", "fwd TF", "bwd ms", "bwd TF", "bwd det", "kl ms", "GiB");
   for (const Row& r : rows)
-    std::printf("%8lld %-11s %6.1f %9.3f %8.3f %9.3f %7.1f %9.3f %7.1f %9.3f %9.3f %6.1f\n", (long long)r.T, r.dist.c_str(),
-                r.union8, r.sel_ms, r.plan_ms, r.fwd_ms, r.fwd_tf, r.bwd_ms, r.bwd_tf, r.bwd_det_ms, r.kl_ms, r.peak_gib);
+    std::printf("%8lld %-11s %6.1f %9.3f %8.3f %8.3f %9.3f %7.1f %9.3f %7.1f %9.3f %9.3f %6.1f\n", (long long)r.T,
+                r.dist.c_str(), r.union8, r.sel_ms, r.plan_ms, r.plan_alloc_ms, r.fwd_ms, r.fwd_tf, r.bwd_ms, r.bwd_tf,
+                r.bwd_det_ms, r.kl_ms, r.peak_gib);
   return 0;
 }

@@ -29,8 +29,10 @@ void memset_zero(void* dst, int device, int64_t bytes, void* stream);
 void synchronize(int device);
 int device_count();
 void select_blocks(const Topology&, const PackedLayout&, const SelectBlocksParams&, const RunOptions&);
-void build_plan(const Topology&, const PackedLayout&, const TensorView& topk, SparsePlan& plan,
-                const RunOptions&);
+// `workspace`: the caller's scratch (checked: large enough, aligned) or empty to allocate one.
+void build_plan(const Topology&, const PackedLayout&, const TensorView& topk, const TensorView& workspace,
+                SparsePlan& plan, const RunOptions&);
+int64_t plan_workspace_bytes(const Topology&, const PackedLayout&);
 void sparse_attention_forward(const Topology&, const PackedLayout&, const SparsePlan&,
                               const AttentionForwardParams&, const RunOptions&);
 void sparse_attention_backward(const Topology&, const PackedLayout&, const SparsePlan&,

@@ -319,6 +319,48 @@ TEST_F(Errors, TopkContents) {
   expect_rejected([&] { build_plan(topo, L, topk.view(), zero); }, {"q_per_cta must be >= 1, got 0"});
 }
 
+TEST_F(Errors, PlanWorkspace) {
+  EXPECT_EQ(plan_workspace_bytes(topo, L, Device::cpu()), 0);
+  HostTensor bytes(DType::u8, {1 << 20}), wrong_dtype(DType::f32, {1024}), two_d(DType::u8, {2, 512});
+  PlanOptions given;
+  given.workspace = bytes.view();
+  expect_rejected([&] { build_plan(topo, L, topk.view(), given); },
+                  {"options.workspace is used by CUDA plans only, but topk is on cpu"});
+
+  // CUDA views of host memory: validation rejects them before anything reads them.
+  TensorView cuda_topk = topk.view();
+  cuda_topk.device = Device::cuda(0);
+  auto on_cuda = [](TensorView t, int index = 0) {
+    t.device = Device::cuda(index);
+    return t;
+  };
+  given.workspace = on_cuda(wrong_dtype.view());
+  expect_rejected([&] { build_plan(topo, L, cuda_topk, given); }, {"options.workspace must be uint8, got f32"});
+  given.workspace = on_cuda(two_d.view());
+  expect_rejected([&] { build_plan(topo, L, cuda_topk, given); }, {"options.workspace must be 1-D", "got shape [2, 512]"});
+  given.workspace = on_cuda(bytes.view(), 1);
+  expect_rejected([&] { build_plan(topo, L, cuda_topk, given); }, {"options.workspace", "cuda:1", "cuda:0"});
+#if MSA_WITH_CUDA
+  // The forward's partial outputs alone take 16 slots of bf16 [total_q, Hq, 128].
+  const int64_t needed = plan_workspace_bytes(topo, L, Device::cuda(0));
+  EXPECT_GE(needed, 16 * L.total_q() * topo.num_q_heads * 128 * 2);
+  HostTensor too_small(DType::u8, {needed - 1});
+  given.workspace = on_cuda(too_small.view());
+  expect_rejected([&] { build_plan(topo, L, cuda_topk, given); },
+                  {"options.workspace must hold at least plan_workspace_bytes = " + std::to_string(needed),
+                   "got " + std::to_string(needed - 1)});
+  HostTensor large(DType::u8, {needed + 512});
+  TensorView shifted = on_cuda(large.view());
+  shifted.data = reinterpret_cast<void*>((reinterpret_cast<uintptr_t>(shifted.data) + 255) / 256 * 256 + 16);
+  shifted.shape[0] = needed;
+  given.workspace = shifted;
+  expect_rejected([&] { build_plan(topo, L, cuda_topk, given); }, {"options.workspace must start at a 256-byte aligned address"});
+#else
+  expect_rejected([&] { plan_workspace_bytes(topo, L, Device::cuda(0)); }, {"built without the CUDA backend"},
+                  ErrorKind::unsupported);
+#endif
+}
+
 // ---- scalar parameters -------------------------------------------------------------------------
 
 TEST_F(Errors, LseTemperature) {

@@ -190,5 +190,39 @@ TEST(GpuForward, RepeatedRunsAreBitwiseIdentical) {
   }
 }
 
+// Two plans on one caller-given workspace (PlanOptions::workspace), their operations in order
+// on one stream: results bitwise equal to a plan with its own workspace, even though the
+// workspace starts as NaN bytes and the other plan's forward runs in between.
+TEST(GpuPlanWorkspace, SharedByTwoPlansGivesTheSameResults) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  const Topology topo;
+  const PackedLayout L = layout_of({1500, 300, 3});
+  const AttentionCase c = make_case(rng, topo, L), other = make_case(rng, topo, L);
+  DeviceTensor q(c.q), k(c.k), v(c.v), topk(c.topk), other_topk(other.topk);
+  const HostTensor dout = random_tensor(rng, {L.total_q(), 64, 128});
+  const SparsePlan own = build_plan(topo, L, topk.view());
+  const ForwardOutputs want_fwd = gpu_forward(c, own, q, k, v, topk);
+  DeviceTensor out(want_fwd.out), lse(want_fwd.lse), ddout(dout);
+  const GpuGrads want = gpu_backward(c, own, q, k, v, topk, out, lse, ddout, true, DType::f32);
+
+  const int64_t bytes = plan_workspace_bytes(topo, L, kGpu);
+  HostTensor nan_bytes(DType::u8, {bytes});
+  std::fill(nan_bytes.data<uint8_t>(), nan_bytes.data<uint8_t>() + bytes, uint8_t(0xff));  // NaN in bf16 and f32
+  const DeviceTensor workspace(nan_bytes);
+  PlanOptions shared;
+  shared.workspace = workspace.view();
+  const SparsePlan a = build_plan(topo, L, topk.view(), shared), b = build_plan(topo, L, other_topk.view(), shared);
+  const ForwardOutputs got_fwd = gpu_forward(c, a, q, k, v, topk);
+  const ForwardOutputs other_fwd = gpu_forward(other, b, q, k, v, other_topk);
+  EXPECT_FALSE(bitwise_equal(other_fwd.out, got_fwd.out)) << "the second plan must select other blocks";
+  const GpuGrads got = gpu_backward(c, a, q, k, v, topk, out, lse, ddout, true, DType::f32);
+  EXPECT_TRUE(bitwise_equal(got_fwd.out, want_fwd.out));
+  EXPECT_TRUE(bitwise_equal(got_fwd.lse, want_fwd.lse));
+  EXPECT_TRUE(bitwise_equal(got.dq, want.dq));
+  EXPECT_TRUE(bitwise_equal(got.dk, want.dk));
+  EXPECT_TRUE(bitwise_equal(got.dv, want.dv));
+}
+
 }  // namespace
 }  // namespace msa::test

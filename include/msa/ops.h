@@ -51,7 +51,17 @@ void select_blocks(const Topology& topo, const PackedLayout& layout, const Selec
 // level-major: every document's block 0 (in document order), then every block 1, ...
 struct PlanOptions {
   int q_per_cta = 8;  // largest number of queries one work item takes from a row
+  // CUDA plans only, optional: uint8 [n >= plan_workspace_bytes(...)], contiguous, on the plan's
+  // device, 256-byte aligned. The plan uses it as its scratch instead of allocating its own,
+  // so that a training loop can allocate it once instead of on every build_plan (large
+  // allocations cost up to hundreds of ms). The caller keeps it alive as long as the plan,
+  // and orders every operation of every plan sharing it (one stream), as for one plan.
+  TensorView workspace;
 };
+
+// Bytes of scratch a CUDA plan for this layout uses (forward partials, backward and KL
+// accumulators); 0 for a CPU plan, which needs none.
+int64_t plan_workspace_bytes(const Topology& topo, const PackedLayout& layout, Device device);
 
 struct SparsePlan {
   Device device{};

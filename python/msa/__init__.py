@@ -36,6 +36,7 @@ from .functional import (
     make_layout,
     merge_states,
     pack,
+    plan_workspace_bytes,
     prepare,
     select_blocks,
     unpack,
@@ -45,6 +46,6 @@ __all__ = [
     "MsaError", "InvalidArgumentError", "UnsupportedError", "MsaRuntimeError",
     "Topology", "PackedLayout", "Plan", "built_with_cuda", "cuda_device_count", "bf16",
     "set_device_allocator", "device_allocator",
-    "make_layout", "select_blocks", "build_plan", "prepare", "forward", "backward",
+    "make_layout", "select_blocks", "build_plan", "plan_workspace_bytes", "prepare", "forward", "backward",
     "kl_backward", "merge_states", "pack", "unpack", "inference", "__version__",
 ]

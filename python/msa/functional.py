@@ -142,12 +142,25 @@ def select_blocks(index_q, index_k, layout, topology=None, *, return_lse=False, 
     return (topk, lse) if return_lse else topk
 
 
-def build_plan(topk, layout, topology=None, *, q_per_cta=8, deterministic=False, num_threads=0, stream=None):
-    """Validates ``topk`` against the layout and builds the reusable k2q plan (a Plan)."""
+def build_plan(topk, layout, topology=None, *, q_per_cta=8, workspace=None, deterministic=False, num_threads=0,
+               stream=None):
+    """Validates ``topk`` against the layout and builds the reusable k2q plan (a Plan).
+
+    ``workspace`` (CUDA plans only): a uint8 CUDA array of at least ``plan_workspace_bytes``
+    bytes that the plan uses as its scratch instead of allocating its own, e.g. one buffer
+    allocated once for the largest micro-batch and given to every plan. The plan keeps it
+    alive; the operations of all plans sharing it must run in order on one stream."""
     hkv = _dim(topk, 0, "topk", 3)
     topo = _topology(topology, 16 * hkv, hkv)
-    return _native.build_plan(topo, layout, _native_arg(topk), int(q_per_cta),
+    return _native.build_plan(topo, layout, _native_arg(topk), int(q_per_cta), _native_arg(workspace),
                               **_run(deterministic, num_threads, stream, topk))
+
+
+def plan_workspace_bytes(layout, topology=None, *, num_q_heads=64, num_kv_heads=4, device="cuda"):
+    """Bytes of scratch a plan for ``layout`` uses on ``device`` (0 on the CPU): the size of the
+    ``workspace`` that ``build_plan`` accepts. Without ``topology`` the heads are MiniMax-M3's."""
+    topo = _topology(topology, num_q_heads, num_kv_heads)
+    return _native.plan_workspace_bytes(topo, layout, str(device))
 
 
 def prepare(index_q, index_k, layout, topology=None, *, lse_temperature=1.0, q_per_cta=8, deterministic=False,

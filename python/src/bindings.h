@@ -2,6 +2,9 @@
 #pragma once
 
 #include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+
+#include <optional>
 
 #include "msa/ops.h"
 
@@ -24,6 +27,7 @@ void bind_inference(nanobind::module_& m);
 struct Plan {
   SparsePlan plan;
   Topology topology;
+  std::optional<nanobind::ndarray<>> workspace;  // the caller's workspace, kept alive with the plan
 };
 
 }  // namespace msa::python

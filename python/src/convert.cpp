@@ -84,6 +84,15 @@ TensorView to_view(const OutArray& a, const char* name) { return convert(a, name
 TensorView to_view(const std::optional<InArray>& a, const char* name) { return a ? convert(*a, name) : TensorView{}; }
 TensorView to_view(const std::optional<OutArray>& a, const char* name) { return a ? convert(*a, name) : TensorView{}; }
 
+Device parse_device(const std::string& s) {
+  if (s == "cpu") return Device::cpu();
+  if (s == "cuda") return Device::cuda(0);
+  const std::string index = s.rfind("cuda:", 0) == 0 ? s.substr(5) : "";
+  if (!index.empty() && index.size() <= 4 && index.find_first_not_of("0123456789") == std::string::npos)
+    return Device::cuda(std::stoi(index));
+  throw Error(ErrorKind::invalid_argument, "device must be 'cpu', 'cuda' or 'cuda:N', got '" + s + "'");
+}
+
 RunOptions run_options(bool deterministic, int num_threads, uintptr_t stream) {
   RunOptions opt;
   opt.deterministic = deterministic;

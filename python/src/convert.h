@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <string>
 
 #include "msa/ops.h"
 
@@ -24,6 +25,9 @@ TensorView to_view(const OutArray& a, const char* name);
 // An absent optional array gives an absent view.
 TensorView to_view(const std::optional<InArray>& a, const char* name);
 TensorView to_view(const std::optional<OutArray>& a, const char* name);
+
+// "cpu", "cuda" or "cuda:N".
+Device parse_device(const std::string& s);
 
 // `stream` is a cudaStream_t as an integer (0 = the legacy default stream).
 RunOptions run_options(bool deterministic, int num_threads, uintptr_t stream);

@@ -27,13 +27,6 @@ using OptOut = std::optional<OutArray>;
       nb::arg("k_block_scale").none() = nb::none(), nb::arg("v_block_scale").none() = nb::none(),              \
       nb::arg("k_scale").none() = nb::none(), nb::arg("v_scale").none() = nb::none()
 
-Device parse_device(const std::string& s) {
-  if (s == "cpu") return Device::cpu();
-  if (s == "cuda") return Device::cuda(0);
-  if (s.rfind("cuda:", 0) == 0) return Device::cuda(std::stoi(s.substr(5)));
-  throw Error(ErrorKind::invalid_argument, "device must be 'cpu', 'cuda' or 'cuda:N', got '" + s + "'");
-}
-
 InferencePlanOptions plan_options(const std::string& device, int num_kv_splits, int num_threads) {
   InferencePlanOptions options;
   options.device = parse_device(device);

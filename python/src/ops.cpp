@@ -1,6 +1,7 @@
 // The operations of include/msa/ops.h and layout.h on caller-allocated DLPack arrays. Inputs
 // and outputs are converted to views without copying; the GIL is released while msa runs.
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
 
 #include "bindings.h"
 #include "convert.h"
@@ -30,13 +31,14 @@ void select_blocks_py(const Topology& topo, const PackedLayout& layout, const In
 }
 
 Plan build_plan_py(const Topology& topo, const PackedLayout& layout, const InArray& topk, int q_per_cta,
-                   bool deterministic, int num_threads, uintptr_t stream) {
+                   const std::optional<OutArray>& workspace, bool deterministic, int num_threads, uintptr_t stream) {
   const TensorView t = to_view(topk, "topk");
   PlanOptions options;
   options.q_per_cta = q_per_cta;
+  options.workspace = to_view(workspace, "workspace");
   const RunOptions opt = run_options(deterministic, num_threads, stream);
   nb::gil_scoped_release unlocked;
-  return Plan{build_plan(topo, layout, t, options, opt), topo};
+  return Plan{build_plan(topo, layout, t, options, opt), topo, workspace};
 }
 
 void forward_py(const Topology& topo, const PackedLayout& layout, const Plan& plan, const InArray& q, const InArray& k,
@@ -127,8 +129,17 @@ void bind_ops(nb::module_& m) {
         "Indexer: writes topk [Hi, total_q, 16] int32 (and optionally selected_lse [Hi, total_q] f32) from "
         "index_q [total_q, Hi, 128] bf16 and index_k [total_k, 1, 128] bf16.");
   m.def("build_plan", &build_plan_py, nb::arg("topology"), nb::arg("layout"), nb::arg("topk"),
-        nb::arg("q_per_cta") = 8, MSA_RUN_ARGS,
-        "Validates topk against the layout and builds the k2q plan on topk's device.");
+        nb::arg("q_per_cta") = 8, nb::arg("workspace").none() = nb::none(), MSA_RUN_ARGS,
+        "Validates topk against the layout and builds the k2q plan on topk's device. workspace: optional "
+        "uint8 [n >= plan_workspace_bytes] CUDA array the plan uses as its scratch instead of allocating one "
+        "(kept alive with the plan; operations of plans sharing it must run in order on one stream).");
+  m.def(
+      "plan_workspace_bytes",
+      [](const Topology& topo, const PackedLayout& layout, const std::string& device) {
+        return plan_workspace_bytes(topo, layout, parse_device(device));
+      },
+      nb::arg("topology"), nb::arg("layout"), nb::arg("device") = "cuda",
+      "Bytes of scratch a plan for this layout uses on `device` ('cpu': 0; 'cuda' / 'cuda:N').");
   m.def("sparse_attention_forward", &forward_py, nb::arg("topology"), nb::arg("layout"), nb::arg("plan"),
         nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("topk"), nb::arg("out"), nb::arg("lse"), MSA_RUN_ARGS,
         "Writes out [total_q, Hq, 128] (bf16 or f32) and lse [total_q, Hq] f32 (natural log).");

@@ -57,6 +57,24 @@ void check_plan(const SparsePlan& plan, const PackedLayout& L, const Topology& t
   require(plan.device == dev, concat("plan lives on ", to_string(plan.device), " but the inputs are on ", to_string(dev)));
 }
 
+// A caller's plan workspace: CUDA only, uint8 [n] contiguous on the plan's device, large enough
+// for this layout and 256-byte aligned (the kernels' TMA maps and vector stores need it).
+void check_plan_workspace(const Topology& topo, const PackedLayout& L, const TensorView& ws, Device dev) {
+  require(dev.is_cuda(), concat("options.workspace is used by CUDA plans only, but topk is on ", to_string(dev),
+                                " (leave options.workspace empty)"));
+  require(ws.rank == 1, concat("options.workspace must be 1-D, uint8 [n], got shape ", ws.shape_string()));
+  check_tensor(ws, "options.workspace", {DType::u8}, {Dim(ws.shape[0], "n")}, dev);
+#if MSA_WITH_CUDA
+  const int64_t needed = cuda::plan_workspace_bytes(topo, L);
+  require(ws.shape[0] >= needed, concat("options.workspace must hold at least plan_workspace_bytes = ", needed,
+                                        " bytes for this layout, got ", ws.shape[0]));
+#else
+  (void)topo, (void)L;
+#endif
+  require(reinterpret_cast<uintptr_t>(ws.data) % 256 == 0,
+          concat("options.workspace must start at a 256-byte aligned address, got ", ws.data));
+}
+
 }  // namespace
 
 void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBlocksParams& p, const RunOptions& opt) {
@@ -81,12 +99,24 @@ void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBloc
   cpu::select_blocks(topo, L, p, opt);
 }
 
+int64_t plan_workspace_bytes(const Topology& topo, const PackedLayout& L, Device device) {
+  topo.validate();
+  if (!device.is_cuda()) return 0;
+#if MSA_WITH_CUDA
+  return cuda::plan_workspace_bytes(topo, L);
+#else
+  (void)L;
+  no_cuda("plan_workspace_bytes");
+#endif
+}
+
 SparsePlan build_plan(const Topology& topo, const PackedLayout& L, const TensorView& topk, const PlanOptions& options,
                       const RunOptions& opt) {
   topo.validate();
   detail::check_present(topk, "topk");
   require(options.q_per_cta >= 1, concat("plan q_per_cta must be >= 1, got ", options.q_per_cta));
   check_topk(topo, L, topk, "topk", topk.device);
+  if (options.workspace.present()) check_plan_workspace(topo, L, options.workspace, topk.device);
   const int Hkv = topo.num_kv_heads;
   const int64_t rows = L.total_rows(topo.block_size), edges = L.total_q() * topo.topk;
   SparsePlan plan;
@@ -107,7 +137,7 @@ SparsePlan build_plan(const Topology& topo, const PackedLayout& L, const TensorV
   plan.work_count_dev = Buffer(plan.device, DType::i32, {1}, stream);
   if (on_cuda(topk)) {
 #if MSA_WITH_CUDA
-    cuda::build_plan(topo, L, topk, plan, opt);
+    cuda::build_plan(topo, L, topk, options.workspace, plan, opt);
     return plan;
 #else
     no_cuda("build_plan");

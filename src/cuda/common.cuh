@@ -76,7 +76,8 @@ struct PlanState {
   Buffer chunk_first;     // [Hkv, total_rows] int32: first full chunk of a row
   Buffer chunk_nfull;     // [Hkv, total_rows] int32: full chunks of a row
   Buffer chunk_tail;      // [Hkv, total_rows] int32: index of the row's partial chunk or -1
-  Buffer workspace;       // scratch shared by forward / backward / KL (one op at a time)
+  Buffer own_workspace;   // the workspace, unless the caller gave one (PlanOptions::workspace)
+  void* workspace = nullptr;  // scratch shared by forward / backward / KL (one op at a time)
   int64_t workspace_bytes = 0;
   int64_t chunk_capacity = 0;
   int64_t schedule_capacity = 0;

@@ -359,8 +359,8 @@ void build_items(const int32_t* row_ptr, int Hkv, int32_t total_rows, int per_it
 
 }  // namespace
 
-void build_plan(const Topology& topo, const PackedLayout& L, const TensorView& topk, SparsePlan& plan,
-                const RunOptions& opt) {
+void build_plan(const Topology& topo, const PackedLayout& L, const TensorView& topk, const TensorView& workspace,
+                SparsePlan& plan, const RunOptions& opt) {
   const Device dev = topk.device;
   DeviceGuard guard(dev.index);
   const cudaStream_t s = as_stream(opt);
@@ -406,7 +406,7 @@ void build_plan(const Topology& topo, const PackedLayout& L, const TensorView& t
 
   const int64_t schedule_capacity = plan.schedule.view().shape[0];
   state->schedule_capacity = schedule_capacity;
-  state->chunk_capacity = Hkv * (rows + ceil_div(total_q * 16, kChunkQueries));
+  state->chunk_capacity = chunk_capacity(topo, L);
   state->chunks = Buffer(dev, DType::i32, {std::max<int64_t>(state->chunk_capacity, 1), 6}, sv);
   state->chunk_count = Buffer(dev, DType::i32, {1}, sv);
   state->schedule_full = Buffer(dev, DType::i32, {1}, sv);
@@ -448,7 +448,7 @@ void build_plan(const Topology& topo, const PackedLayout& L, const TensorView& t
               i32(state->chunk_count), nullptr, i32(state->chunk_first), i32(state->chunk_nfull),
               i32(state->chunk_tail), s);
 
-  allocate_workspace(topo, L, *state, dev, sv);
+  attach_workspace(topo, L, workspace, *state, dev, sv);
   plan.backend = state;
 }
 

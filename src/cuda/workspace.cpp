@@ -2,6 +2,8 @@
 
 #include <algorithm>
 
+#include "backend.h"
+
 namespace msa::cuda {
 
 namespace {
@@ -43,11 +45,25 @@ WorkspaceLayout workspace_layout(int64_t Tq, int64_t Tk, int Hkv, int64_t rows, 
   return w;
 }
 
-void allocate_workspace(const Topology& topo, const PackedLayout& L, PlanState& state, Device dev, void* stream) {
-  const WorkspaceLayout w =
-      workspace_layout(L.total_q(), L.total_k(), topo.num_kv_heads, L.total_rows(128), state.chunk_capacity);
-  state.workspace = Buffer(dev, DType::u8, {w.total}, stream);
-  state.workspace_bytes = w.total;
+int64_t chunk_capacity(const Topology& topo, const PackedLayout& L) {
+  return topo.num_kv_heads * (L.total_rows(topo.block_size) + ceil_div(L.total_q() * topo.topk, kChunkQueries));
+}
+
+int64_t plan_workspace_bytes(const Topology& topo, const PackedLayout& L) {
+  return workspace_layout(L.total_q(), L.total_k(), topo.num_kv_heads, L.total_rows(topo.block_size),
+                          chunk_capacity(topo, L))
+      .total;
+}
+
+void attach_workspace(const Topology& topo, const PackedLayout& L, const TensorView& given, PlanState& state,
+                      Device dev, void* stream) {
+  state.workspace_bytes = plan_workspace_bytes(topo, L);
+  if (given.present()) {
+    state.workspace = given.data;
+  } else {
+    state.own_workspace = Buffer(dev, DType::u8, {state.workspace_bytes}, stream);
+    state.workspace = state.own_workspace.data();
+  }
 }
 
 }  // namespace msa::cuda

@@ -31,14 +31,19 @@ struct WorkspaceLayout {
 
 WorkspaceLayout workspace_layout(int64_t total_q, int64_t total_k, int Hkv, int64_t total_rows, int64_t chunk_capacity);
 
-// The plan's workspace, sized by workspace_layout (the one place that knows the sizes), from
-// the device allocator for work on `stream`.
-void allocate_workspace(const Topology& topo, const PackedLayout& L, PlanState& state, Device dev, void* stream);
+// Backward / KL work items a plan may hold (the size of PlanState::chunks).
+int64_t chunk_capacity(const Topology& topo, const PackedLayout& L);
+
+// Sets the plan's workspace: the caller's `given` (already checked: large enough, aligned) or,
+// when it is empty, a buffer of plan_workspace_bytes (backend.h: workspace_layout's total)
+// from the device allocator for work on `stream`.
+void attach_workspace(const Topology& topo, const PackedLayout& L, const TensorView& given, PlanState& state,
+                      Device dev, void* stream);
 
 // Typed pointer into the plan's workspace.
 template <typename T>
 T* ws(const PlanState& s, int64_t offset) {
-  return reinterpret_cast<T*>(static_cast<char*>(s.workspace.data()) + offset);
+  return reinterpret_cast<T*>(static_cast<char*>(s.workspace) + offset);
 }
 
 }  // namespace msa::cuda

@@ -46,6 +46,17 @@ def test_invalid_topk_is_rejected_before_writing(rng):
         msa.build_plan(topk, layout)
 
 
+def test_plan_workspace_is_for_cuda_plans(rng):
+    layout = msa.make_layout([0, 300])
+    iq = bf16_input(rng, 300, 1, 128)[0]
+    topk = msa.select_blocks(iq, iq, layout)
+    assert msa.plan_workspace_bytes(layout, num_q_heads=16, num_kv_heads=1, device="cpu") == 0
+    with pytest.raises(msa.InvalidArgumentError, match="workspace is used by CUDA plans only, but topk is on cpu"):
+        msa.build_plan(topk, layout, workspace=np.zeros(1 << 20, np.uint8))
+    with pytest.raises(msa.InvalidArgumentError, match=r"device must be 'cpu', 'cuda' or 'cuda:N', got 'gpu0'"):
+        msa.plan_workspace_bytes(layout, device="gpu0")
+
+
 def test_unsupported_topology():
     with pytest.raises(msa.InvalidArgumentError, match="num_q_heads must be 16"):
         msa.Topology(num_q_heads=8, num_kv_heads=1, num_index_heads=1).validate()

@@ -238,6 +238,24 @@ def test_functional_api_on_cuda_tensors():
     assert out.is_cuda and out.dtype == torch.float32
 
 
+def test_plans_sharing_a_caller_workspace_match_a_plan_with_its_own():
+    x = to_cuda(inputs())
+    layout = msa.make_layout(CU)
+    topk = msa.select_blocks(x["iq"], x["ik"], layout)
+    want_out, want_lse = msa.forward(x["q"], x["k"], x["v"], topk, layout, msa.build_plan(topk, layout))
+    nbytes = msa.plan_workspace_bytes(layout, device=x["q"].device)
+    assert nbytes >= 16 * CU[-1] * 64 * 128 * 2  # the forward's partial outputs alone
+    workspace = torch.full((nbytes,), 0xFF, dtype=torch.uint8, device="cuda")  # NaN bytes
+    plan = msa.build_plan(topk, layout, workspace=workspace)
+    other = msa.build_plan(topk.flip(0).contiguous(), layout, workspace=workspace)
+    del workspace  # the plans keep it alive
+    msa.forward(x["q"], x["k"], x["v"], topk.flip(0).contiguous(), layout, other)
+    out, lse = msa.forward(x["q"], x["k"], x["v"], topk, layout, plan)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    with pytest.raises(msa.InvalidArgumentError, match="must hold at least plan_workspace_bytes"):
+        msa.build_plan(topk, layout, workspace=torch.empty(nbytes - 1, dtype=torch.uint8, device="cuda"))
+
+
 def test_allocator_errors_reach_the_caller_and_the_default_comes_back():
     x = to_cuda(inputs())
     topk = mt.select_blocks(x["iq"], x["ik"], x["cu"])
