@@ -22,10 +22,12 @@ constexpr auto kFloatOut = {DType::bf16, DType::f32};
 
 bool on_cuda(const TensorView& t) { return t.device.is_cuda(); }
 
+#if !MSA_WITH_CUDA
 [[noreturn]] void no_cuda(const char* op) {
   detail::unsupported(concat(op, ": the inputs are CUDA tensors but msa was built without the CUDA backend "
                                  "(configure with -DMSA_ENABLE_CUDA=ON on a machine with nvcc)"));
 }
+#endif
 
 // Checks a top-k tensor's shape and, on the CPU, its contents against the layout: valid ids
 // form a prefix, are unique and lie in [0, local block of the query].
