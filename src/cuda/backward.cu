@@ -311,7 +311,7 @@ void sparse_attention_backward(const Topology& topo, const PackedLayout& L, cons
   const cudaStream_t s = as_stream(opt);
   const int64_t Tq = L.total_q(), Tk = L.total_k();
   const int Hq = topo.num_q_heads, Hkv = topo.num_kv_heads;
-  const WorkspaceLayout w = workspace_layout(Tq, Tk, Hkv, plan.total_rows, st.chunk_capacity);
+  const WorkspaceLayout w = workspace_layout(topo, L);
   const int32_t* status = i32(plan.status);
 
   BackwardArgs a{};

@@ -465,7 +465,7 @@ void sparse_attention_forward(const Topology& topo, const PackedLayout& L, const
   DeviceGuard guard(p.q.device.index);
   const PlanState& st = plan_state(plan);
   const cudaStream_t s = as_stream(opt);
-  const WorkspaceLayout w = workspace_layout(L.total_q(), L.total_k(), topo.num_kv_heads, plan.total_rows, st.chunk_capacity);
+  const WorkspaceLayout w = workspace_layout(topo, L);
   const int64_t Tq = L.total_q();
   if (Tq == 0) return;
   ForwardArgs a{};

@@ -242,7 +242,7 @@ void kl_backward(const Topology& topo, const PackedLayout& L, const SparsePlan& 
   const cudaStream_t s = as_stream(opt);
   const int64_t Tq = L.total_q(), Tk = L.total_k();
   const int Hkv = topo.num_kv_heads, Hi = topo.num_index_heads;
-  const WorkspaceLayout w = workspace_layout(Tq, Tk, Hkv, plan.total_rows, st.chunk_capacity);
+  const WorkspaceLayout w = workspace_layout(topo, L);
   const int32_t* status = i32(plan.status);
   KlArgs a{};
   a.q = p.q.as<const __nv_bfloat16>();

@@ -49,11 +49,12 @@ int64_t chunk_capacity(const Topology& topo, const PackedLayout& L) {
   return topo.num_kv_heads * (L.total_rows(topo.block_size) + ceil_div(L.total_q() * topo.topk, kChunkQueries));
 }
 
-int64_t plan_workspace_bytes(const Topology& topo, const PackedLayout& L) {
+WorkspaceLayout workspace_layout(const Topology& topo, const PackedLayout& L) {
   return workspace_layout(L.total_q(), L.total_k(), topo.num_kv_heads, L.total_rows(topo.block_size),
-                          chunk_capacity(topo, L))
-      .total;
+                          chunk_capacity(topo, L));
 }
+
+int64_t plan_workspace_bytes(const Topology& topo, const PackedLayout& L) { return workspace_layout(topo, L).total; }
 
 void attach_workspace(const Topology& topo, const PackedLayout& L, const TensorView& given, PlanState& state,
                       Device dev, void* stream) {

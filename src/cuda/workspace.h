@@ -30,6 +30,8 @@ struct WorkspaceLayout {
 };
 
 WorkspaceLayout workspace_layout(int64_t total_q, int64_t total_k, int Hkv, int64_t total_rows, int64_t chunk_capacity);
+// The layout for a plan of `L` (what every operation on such a plan uses).
+WorkspaceLayout workspace_layout(const Topology& topo, const PackedLayout& L);
 
 // Backward / KL work items a plan may hold (the size of PlanState::chunks).
 int64_t chunk_capacity(const Topology& topo, const PackedLayout& L);
