@@ -53,6 +53,24 @@ struct AllocatorScope {
   ~AllocatorScope() { reset_device_allocator(); }
 };
 
+// The plan's small buffers are slices of one allocation (core/buffer_pack.h).
+TEST(Allocator, BufferSlicesShareOwnershipAndStayInBounds) {
+  Buffer piece;
+  {
+    const Buffer whole(Device::cpu(), DType::u8, {1024});
+    std::memset(whole.data(), 7, 1024);
+    piece = whole.slice(256, DType::i32, {4, 8});
+    EXPECT_EQ(piece.data(), static_cast<char*>(whole.data()) + 256);
+    EXPECT_EQ(piece.bytes(), 128);
+    EXPECT_EQ(piece.view().shape_vector(), (std::vector<int64_t>{4, 8}));
+    EXPECT_EQ(piece.view().dtype, DType::i32);
+    expect_error([&] { (void)whole.slice(1000, DType::i32, {8}); }, {"32 bytes at offset 1000 do not fit a buffer of 1024"});
+    expect_error([&] { (void)whole.slice(2, DType::i32, {1}); }, {"not a multiple of the int32 size"});
+  }
+  // The whole buffer is gone from scope; the slice still owns its memory.
+  EXPECT_EQ(static_cast<const unsigned char*>(piece.data())[127], 7);
+}
+
 TEST(Allocator, InstallQueryAndReset) {
   AllocatorScope scope;
   EXPECT_TRUE(device_allocator().is_default());

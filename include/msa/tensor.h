@@ -96,6 +96,9 @@ class Buffer {
   void* data() const { return storage_.get(); }
   int64_t bytes() const { return bytes_; }
   bool empty() const { return storage_ == nullptr; }
+  // A [shape] `dtype` buffer over this one's bytes from `offset` on (aligned to the dtype),
+  // sharing its ownership: the memory lives as long as any slice of it.
+  Buffer slice(int64_t offset, DType dtype, std::vector<int64_t> shape) const;
 
  private:
   std::shared_ptr<void> storage_;

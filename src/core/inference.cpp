@@ -20,6 +20,7 @@ namespace {
 
 bool on_cuda(const TensorView& t) { return t.device.is_cuda(); }
 
+#if !(MSA_WITH_CUDA && MSA_CUDA_INFERENCE)
 [[noreturn]] void no_cuda(const char* op) {
 #if MSA_WITH_CUDA
   detail::unsupported(concat(op, ": the CUDA backend of this build does not implement the inference operations yet; "
@@ -29,6 +30,7 @@ bool on_cuda(const TensorView& t) { return t.device.is_cuda(); }
                                  "(configure with -DMSA_ENABLE_CUDA=ON on a machine with nvcc)"));
 #endif
 }
+#endif
 
 #if MSA_WITH_CUDA && MSA_CUDA_INFERENCE
 #define MSA_DISPATCH(op, ...)               \

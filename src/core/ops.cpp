@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "backend.h"
+#include "core/buffer_pack.h"
 #include "core/check.h"
 
 namespace msa {
@@ -129,14 +130,15 @@ SparsePlan build_plan(const Topology& topo, const PackedLayout& L, const TensorV
   plan.topk = topo.topk;
   plan.q_per_cta = options.q_per_cta;
   const int64_t capacity = Hkv * (rows + (edges + options.q_per_cta - 1) / options.q_per_cta);
-  void* const stream = on_cuda(topk) ? opt.stream : nullptr;  // CUDA buffers are used on opt.stream
-  plan.rows = Buffer(plan.device, DType::i32, {rows, 2}, stream);
-  plan.row_ptr = Buffer(plan.device, DType::i32, {Hkv, rows + 1}, stream);
-  plan.q_indices = Buffer(plan.device, DType::i32, {Hkv, edges}, stream);
-  plan.split_slot = Buffer(plan.device, DType::i32, {Hkv, edges}, stream);
-  plan.split_counts = Buffer(plan.device, DType::i32, {L.total_q(), Hkv}, stream);
-  plan.schedule = Buffer(plan.device, DType::i32, {capacity, 6}, stream);
-  plan.work_count_dev = Buffer(plan.device, DType::i32, {1}, stream);
+  detail::BufferPack buffers;
+  buffers.add(&plan.rows, DType::i32, {rows, 2});
+  buffers.add(&plan.row_ptr, DType::i32, {Hkv, rows + 1});
+  buffers.add(&plan.q_indices, DType::i32, {Hkv, edges});
+  buffers.add(&plan.split_slot, DType::i32, {Hkv, edges});
+  buffers.add(&plan.split_counts, DType::i32, {L.total_q(), Hkv});
+  buffers.add(&plan.schedule, DType::i32, {capacity, 6});
+  buffers.add(&plan.work_count_dev, DType::i32, {1});
+  buffers.allocate(plan.device, on_cuda(topk) ? opt.stream : nullptr);  // CUDA buffers are used on opt.stream
   if (on_cuda(topk)) {
 #if MSA_WITH_CUDA
     cuda::build_plan(topo, L, topk, options.workspace, plan, opt);

@@ -147,6 +147,22 @@ Buffer::Buffer(Device device, DType dtype, std::vector<int64_t> shape, void* str
 
 TensorView Buffer::view() const { return TensorView::contiguous(storage_.get(), dtype_, shape_, device_); }
 
+Buffer Buffer::slice(int64_t offset, DType dtype, std::vector<int64_t> shape) const {
+  int64_t n = 1;
+  for (int64_t s : shape) n *= s;
+  const int64_t bytes = n * dtype_size(dtype);
+  detail::require(n >= 0 && offset >= 0 && offset % dtype_size(dtype) == 0 && offset + bytes <= bytes_,
+                  detail::concat("Buffer::slice: ", bytes, " bytes at offset ", offset, " do not fit a buffer of ",
+                                 bytes_, " bytes (or the offset is not a multiple of the ", dtype_name(dtype), " size)"));
+  Buffer piece;
+  piece.storage_ = std::shared_ptr<void>(storage_, static_cast<char*>(storage_.get()) + offset);
+  piece.bytes_ = bytes;
+  piece.device_ = device_;
+  piece.dtype_ = dtype;
+  piece.shape_ = std::move(shape);
+  return piece;
+}
+
 }  // namespace msa
 
 namespace msa {

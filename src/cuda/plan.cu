@@ -15,6 +15,7 @@
 #include "backend.h"
 #include "cuda/common.cuh"
 #include "cuda/device_layout.cuh"
+#include "core/buffer_pack.h"
 #include "cuda/scratch.h"
 #include "cuda/workspace.h"
 
@@ -380,10 +381,22 @@ void build_plan(const Topology& topo, const PackedLayout& L, const TensorView& t
   for (const DocInfo& d : docs) docs_flat.insert(docs_flat.end(), {d.q_start, d.q_len, d.k_start, d.k_len});
   void* const sv = opt.stream;
   state->num_documents = B;
-  state->docs = Buffer(dev, DType::i32, {B, 4}, sv);
-  state->cu_q = Buffer(dev, DType::i32, {B + 1}, sv);
-  state->doc_row_base = Buffer(dev, DType::i32, {B}, sv);
-  state->row_of = Buffer(dev, DType::i32, {std::max<int64_t>(rows, 1)}, sv);
+  const int64_t schedule_capacity = plan.schedule.view().shape[0];
+  state->schedule_capacity = schedule_capacity;
+  state->chunk_capacity = chunk_capacity(topo, L);
+  detail::BufferPack buffers;
+  buffers.add(&state->docs, DType::i32, {B, 4});
+  buffers.add(&state->cu_q, DType::i32, {B + 1});
+  buffers.add(&state->doc_row_base, DType::i32, {B});
+  buffers.add(&state->row_of, DType::i32, {std::max<int64_t>(rows, 1)});
+  buffers.add(&plan.status, DType::i32, {4});
+  buffers.add(&state->chunks, DType::i32, {std::max<int64_t>(state->chunk_capacity, 1), 6});
+  buffers.add(&state->chunk_count, DType::i32, {1});
+  buffers.add(&state->schedule_full, DType::i32, {1});
+  buffers.add(&state->chunk_first, DType::i32, {std::max<int64_t>(Hkv * rows, 1)});
+  buffers.add(&state->chunk_nfull, DType::i32, {std::max<int64_t>(Hkv * rows, 1)});
+  buffers.add(&state->chunk_tail, DType::i32, {std::max<int64_t>(Hkv * rows, 1)});
+  buffers.allocate(dev, sv);
   {
     Uploader up(s);
     up.add(state->docs, docs_flat);
@@ -396,23 +409,12 @@ void build_plan(const Topology& topo, const PackedLayout& L, const TensorView& t
   state->keys_overlap = key_ranges_overlap(L);
 
   plan.work_count = -1;
-  plan.status = Buffer(dev, DType::i32, {4}, sv);
   MSA_CUDA_CHECK(cudaMemsetAsync(plan.status.data(), 0, 16, s));
   MSA_CUDA_CHECK(cudaMemsetAsync(plan.q_indices.data(), 0xff, size_t(plan.q_indices.bytes()), s));
   MSA_CUDA_CHECK(cudaMemsetAsync(plan.split_slot.data(), 0xff, size_t(plan.split_slot.bytes()), s));
   MSA_CUDA_CHECK(cudaMemsetAsync(plan.row_ptr.data(), 0, size_t(plan.row_ptr.bytes()), s));
   MSA_CUDA_CHECK(cudaMemsetAsync(plan.split_counts.data(), 0, size_t(plan.split_counts.bytes()), s));
   MSA_CUDA_CHECK(cudaMemsetAsync(plan.schedule.data(), 0xff, size_t(plan.schedule.bytes()), s));
-
-  const int64_t schedule_capacity = plan.schedule.view().shape[0];
-  state->schedule_capacity = schedule_capacity;
-  state->chunk_capacity = chunk_capacity(topo, L);
-  state->chunks = Buffer(dev, DType::i32, {std::max<int64_t>(state->chunk_capacity, 1), 6}, sv);
-  state->chunk_count = Buffer(dev, DType::i32, {1}, sv);
-  state->schedule_full = Buffer(dev, DType::i32, {1}, sv);
-  state->chunk_first = Buffer(dev, DType::i32, {std::max<int64_t>(Hkv * rows, 1)}, sv);
-  state->chunk_nfull = Buffer(dev, DType::i32, {std::max<int64_t>(Hkv * rows, 1)}, sv);
-  state->chunk_tail = Buffer(dev, DType::i32, {std::max<int64_t>(Hkv * rows, 1)}, sv);
 
   if (edges > 0) {
     const int32_t sentinel = int32_t(Hkv * rows);

@@ -1,0 +1,41 @@
+// Several buffers carved out of one allocation, each piece 256-byte aligned. A plan holds
+// about twenty small buffers; one allocator call instead of one each keeps build_plan short,
+// and since cudaFree waits for the device, one release keeps a plan's destruction to one wait.
+#pragma once
+
+#include <vector>
+
+#include "msa/tensor.h"
+
+namespace msa::detail {
+
+class BufferPack {
+ public:
+  // `*target` becomes a [shape] `dtype` piece when allocate() runs.
+  void add(Buffer* target, DType dtype, std::vector<int64_t> shape) {
+    int64_t n = 1;
+    for (int64_t s : shape) n *= s;
+    pieces_.push_back({target, dtype, std::move(shape), bytes_});
+    bytes_ += (n * dtype_size(dtype) + 255) / 256 * 256;
+  }
+
+  // One buffer on `device` (for work on `stream`) holding every piece added so far.
+  void allocate(Device device, void* stream) {
+    const Buffer whole(device, DType::u8, {bytes_ > 0 ? bytes_ : 256}, stream);
+    for (Piece& p : pieces_) *p.target = whole.slice(p.offset, p.dtype, std::move(p.shape));
+    pieces_.clear();
+    bytes_ = 0;
+  }
+
+ private:
+  struct Piece {
+    Buffer* target;
+    DType dtype;
+    std::vector<int64_t> shape;
+    int64_t offset;
+  };
+  std::vector<Piece> pieces_;
+  int64_t bytes_ = 0;
+};
+
+}  // namespace msa::detail
