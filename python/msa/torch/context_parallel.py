@@ -431,7 +431,9 @@ class _ContextParallelAttention(torch.autograd.Function):
         if save_gathered:
             saved += [k_buf, v_buf, ik_buf]
         ctx.save_for_backward(*saved)
-        ctx.topo, ctx.layout, ctx.plan, ctx.run = topo, layout, plan, run
+        # The plan is not kept: on CUDA it holds a workspace of 16 partial outputs per query and
+        # head, which would stay allocated for every layer until its backward. Backward rebuilds it.
+        ctx.topo, ctx.layout, ctx.run = topo, layout, run
         ctx.shard, ctx.group, ctx.options = shard, group, options
         ctx.mark_non_differentiable(lse, topk)
         kl = torch.zeros((), dtype=torch.float32, device=q.device)
@@ -447,7 +449,7 @@ class _ContextParallelAttention(torch.autograd.Function):
             k_buf, v_buf, ik_buf = saved[9:]
         else:
             k_buf, v_buf, ik_buf = _gather_kv(k, v, index_k, shard, group)
-        topo, layout, plan, run = ctx.topo, ctx.layout, ctx.plan, ctx.run
+        topo, layout, run = ctx.topo, ctx.layout, ctx.run
         m = k_buf.shape[0]
         widths = _feature_widths(k, v, index_k)
         index = shard.kv_index_on(q.device)
@@ -460,6 +462,7 @@ class _ContextParallelAttention(torch.autograd.Function):
         with _device_of(q):
             dk32 = torch.empty(k_buf.shape, dtype=torch.float32, device=q.device)
             dv32 = torch.empty(v_buf.shape, dtype=torch.float32, device=q.device)
+            plan = _native.build_plan(topo, layout, _dl(topk), 8, **run)
             _native.sparse_attention_backward(topo, layout, plan, _dl(q.contiguous()), _dl(k_buf), _dl(v_buf),
                                               _dl(topk), _dl(out), _dl(lse), _dl(dout.contiguous()), _dl(dq),
                                               _dl(dk32), _dl(dv32), **run)
