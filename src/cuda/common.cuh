@@ -78,7 +78,6 @@ struct PlanState {
   Buffer chunk_tail;      // [Hkv, total_rows] int32: index of the row's partial chunk or -1
   Buffer own_workspace;   // the workspace, unless the caller gave one (PlanOptions::workspace)
   void* workspace = nullptr;  // scratch shared by forward / backward / KL (one op at a time)
-  int64_t workspace_bytes = 0;
   int64_t chunk_capacity = 0;
   int64_t schedule_capacity = 0;
   int num_documents = 0;

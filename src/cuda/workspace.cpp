@@ -58,11 +58,10 @@ int64_t plan_workspace_bytes(const Topology& topo, const PackedLayout& L) { retu
 
 void attach_workspace(const Topology& topo, const PackedLayout& L, const TensorView& given, PlanState& state,
                       Device dev, void* stream) {
-  state.workspace_bytes = plan_workspace_bytes(topo, L);
   if (given.present()) {
     state.workspace = given.data;
   } else {
-    state.own_workspace = Buffer(dev, DType::u8, {state.workspace_bytes}, stream);
+    state.own_workspace = Buffer(dev, DType::u8, {plan_workspace_bytes(topo, L)}, stream);
     state.workspace = state.own_workspace.data();
   }
 }
