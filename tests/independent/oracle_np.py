@@ -1,12 +1,15 @@
-"""Float64 NumPy oracle of MiniMax Sparse Attention, written from the specification
-(msa_semantics.md §3 indexer, §4 attention, §5.1 packing and fragments, §5.4 backward,
-§5.5 KL) without reference to the C++ code.
+"""The float64 NumPy oracle of MiniMax Sparse Attention: the ground truth of the numerical
+contract (docs/semantics.md; which reference is authoritative for what: docs/architecture.md).
+Written from the contract without reference to the C++ code, dense per-document masks, no
+blocking tricks; small inputs only. Used by the independent run-case check (check_cases.py)
+and, through the thin layout adapter tests/python/numpy_reference.py, by the Python tests.
+The inference path (paged caches, FP8 / NVFP4) is in inference_np.py.
 
-Conventions: packed query rows and key rows; document b owns queries [cu_q[b], cu_q[b+1])
-and keys [cu_k[f], cu_k[b+1]) with f = fragment_indices[b] (b without fragments); query i
-of a document sits at causal position p = k_len - q_len + i. Block ids are document-local,
-block b holds document tokens [128 b, 128 b + 128). Query head h uses KV head and index
-head g = h // (Hq // Hkv).
+Conventions (docs/semantics.md §2): packed query rows and key rows; document b owns queries
+[cu_q[b], cu_q[b+1]) and keys [cu_k[f], cu_k[b+1]) with f = fragment_indices[b] (b without
+fragments); query i of a document sits at causal position p = k_len - q_len + i. Block ids are
+document-local, block b holds document tokens [128 b, 128 b + 128). Query head h uses KV head
+and index head g = h // (Hq // Hkv).
 """
 
 import math
@@ -28,12 +31,19 @@ class Doc:
 
 
 def documents(cu_q, cu_k, fragments=None):
+    """The documents of cu_seqlens_q / cu_seqlens_k (+ fragment_indices)."""
     docs = []
     for b in range(len(cu_q) - 1):
         f = b if fragments is None else int(fragments[b])
         k_start = int(cu_k[f])
         docs.append(Doc(int(cu_q[b]), int(cu_q[b + 1] - cu_q[b]), k_start, int(cu_k[b + 1]) - k_start))
     return docs
+
+
+def documents_of(layout):
+    """The documents of an object with a `documents` list of (q_start, q_len, k_start, k_len)
+    (msa.PackedLayout in Python)."""
+    return [Doc(int(q0), int(qn), int(k0), int(kn)) for q0, qn, k0, kn in layout.documents]
 
 
 class Settings:
@@ -48,7 +58,7 @@ class Settings:
 
 
 # ------------------------------------------------------------------------------------------
-# Indexer (spec §3)
+# Indexer (docs/semantics.md §3)
 
 
 def index_scores(doc, index_q, index_k, settings):
@@ -100,6 +110,41 @@ def select_row(block_row, p, settings):
     return set(chosen), forced & set(chosen), ranked, nvis
 
 
+def ordered_selection(block_row, p, settings):
+    """The valid ids of one (query, index head) in the contract's order (docs/semantics.md
+    §3.3): all visible blocks ascending when there are at most 16; else init blocks ascending,
+    ranked history in rank order, the other local blocks ascending, the own block last."""
+    chosen, forced, ranked, nvis = select_row(block_row, p, settings)
+    if nvis <= TOPK:
+        return sorted(chosen)
+    first_local = max(0, nvis - settings.local_blocks)
+    init = sorted(b for b in forced if b < first_local)
+    local = sorted(b for b in forced if b >= first_local)
+    return init + ranked + local
+
+
+def select_blocks(docs, index_q, index_k, settings, total_q):
+    """Selection of every (index head, query row): (ids [Hi][total_q] lists in contract order,
+    block scores [Hi][total_q] arrays of the row's block scores)."""
+    hi = index_q.shape[1]
+    ids = [[None] * total_q for _ in range(hi)]
+    scores = [[None] * total_q for _ in range(hi)]
+    for doc in docs:
+        if doc.q_len == 0:
+            continue
+        blocks = block_scores(index_scores(doc, index_q, index_k, settings), doc.k_len)
+        for i, p in enumerate(doc.positions()):
+            for g in range(hi):
+                ids[g][doc.q_start + i] = ordered_selection(blocks[g, i], int(p), settings)
+                scores[g][doc.q_start + i] = blocks[g, i]
+    return ids, scores
+
+
+def topk_to_sets(topk):
+    """int32 [H, total_q, 16] -> per head, per row, the list of valid ids."""
+    return [[[int(b) for b in row if b >= 0] for row in head] for head in topk]
+
+
 def selected_keys_mask(positions, k_len, topk_rows):
     """mask[i, t]: key t (< k_len) is in a selected block of query i and t <= positions[i].
     topk_rows: [n, 16] document-local block ids, -1 padded."""
@@ -133,20 +178,31 @@ def selected_lse(doc, index_q, index_k, topk, settings, temperature):
     return out
 
 
+def selected_lse_all(docs, index_q, index_k, topk, settings, temperature, total_q):
+    """[Hi, total_q]: selected_lse of every document (-inf for rows without keys)."""
+    out = np.full((index_q.shape[1], total_q), -np.inf)
+    for doc in docs:
+        if doc.q_len:
+            out[:, doc.q_start : doc.q_start + doc.q_len] = selected_lse(doc, index_q, index_k, topk, settings, temperature)
+    return out
+
+
 # ------------------------------------------------------------------------------------------
-# Attention forward / backward (spec §4, §5.4) and KL (spec §5.5)
+# Attention forward / backward (docs/semantics.md §4, §6) and KL (§7)
 
 
 def attention_and_kl(docs, q, k, v, index_q, index_k, topk, dout, settings, total_q, want_backward, given_out=None):
     """Forward (out [Tq, Hq, D], lse [Tq, Hq]) and, when want_backward, dq, dk, dv and the KL
-    gradients dindex_q [Tq, Hi, D], dindex_k [Tk, 1, D]. `topk` is the selection to use.
+    gradients dindex_q [Tq, Hi, D], dindex_k [Tk, 1, D] (left out when index_q is None).
+    `topk` is the selection to use.
 
     The backward's rowsum(dO o O) uses `given_out` when given: a backward receives the
     forward's (bf16) output as an input, exactly as in training, and for rows with few keys
     (dq of a one-key row is 0 with the exact O) that input decides the result."""
     Tq, Hq, D = q.shape
     Tk, Hkv, _ = k.shape
-    Hi = index_q.shape[1]
+    with_kl = index_q is not None
+    Hi = index_q.shape[1] if with_kl else 0
     G = Hq // Hkv
     scale = settings.softmax_scale
     out = np.zeros((Tq, Hq, D))
@@ -157,16 +213,17 @@ def attention_and_kl(docs, q, k, v, index_q, index_k, topk, dout, settings, tota
             "dq": np.zeros((Tq, Hq, D)),
             "dk": np.zeros((Tk, Hkv, D)),
             "dv": np.zeros((Tk, Hkv, D)),
-            "dindex_q": np.zeros((Tq, Hi, D)),
-            "dindex_k": np.zeros((Tk, 1, D)),
         }
-        grad_scale = settings.kl_grad_scale if settings.kl_grad_scale else 1.0 / (Hi * total_q)
+        if with_kl:
+            grads["dindex_q"] = np.zeros((Tq, Hi, D))
+            grads["dindex_k"] = np.zeros((Tk, 1, D))
+            grad_scale = settings.kl_grad_scale if settings.kl_grad_scale else 1.0 / (Hi * total_q)
     for doc in docs:
         if doc.q_len == 0:
             continue
         keys = slice(doc.k_start, doc.k_start + doc.k_len)
         positions = doc.positions()
-        s_index = index_scores(doc, index_q, index_k, settings) if want_backward else None
+        s_index = index_scores(doc, index_q, index_k, settings) if want_backward and with_kl else None
         # Rows in chunks so that [chunk, G, keys] stays small.
         chunk = max(1, (1 << 22) // max(1, G * doc.k_len))
         for r0 in range(0, doc.q_len, chunk):
@@ -201,6 +258,8 @@ def attention_and_kl(docs, q, k, v, index_q, index_k, topk, dout, settings, tota
                 grads["dq"][rows, heads] = (dSf @ Kg).reshape(c, G, D) * scale
                 grads["dk"][doc.k_start : doc.k_start + kl, g] += (dSf.T @ Qf) * scale
                 grads["dv"][doc.k_start : doc.k_start + kl, g] += Pf.T @ dOf
+                if not with_kl:
+                    continue
                 # KL: teacher = mean over the group's heads of P; student = softmax of the index
                 # scores over the same keys.
                 teacher = P.mean(axis=1)  # [c, kl]
@@ -213,3 +272,31 @@ def attention_and_kl(docs, q, k, v, index_q, index_k, topk, dout, settings, tota
                 grads["dindex_q"][rows, g] = ds @ ki * settings.index_scale
                 grads["dindex_k"][doc.k_start : doc.k_start + kl, 0] += ds.T @ qi * settings.index_scale
     return out, lse, grads
+
+
+# ------------------------------------------------------------------------------------------
+# Merge of partial states (docs/semantics.md §8) and error measures (§10)
+
+
+def merge_states(out_partials, lse_partials):
+    """out [rows, H, D], lse [rows, H] of partials [S, rows, H, D] / [S, rows, H]: weights
+    exp(lse_s - max lse); a row whose partials are all -inf gives out 0, lse -inf."""
+    m = lse_partials.max(axis=0)
+    m_safe = np.where(np.isfinite(m), m, 0.0)
+    w = np.where(np.isfinite(lse_partials), np.exp(lse_partials - m_safe), 0.0)
+    z = w.sum(axis=0)
+    out = np.where(z[..., None] > 0, (w[..., None] * out_partials).sum(0) / np.where(z > 0, z, 1)[..., None], 0.0)
+    with np.errstate(divide="ignore"):
+        lse = np.where(z > 0, np.log(np.where(z > 0, z, 1)) + m_safe, -np.inf)
+    return out, lse
+
+
+def rel_err(a, b):
+    """Relative L2 error of a against the reference b."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+def cosine(a, b):
+    a, b = np.asarray(a, np.float64).ravel(), np.asarray(b, np.float64).ravel()
+    return float(a @ b / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-30))
