@@ -9,7 +9,7 @@
 // allocating its own workspace, as without PlanOptions::workspace).
 // Useful FLOPs: forward 4 * Hq * 128 * (visible (query, key) pairs), backward 2.5x forward,
 // indexer 2 * 128 * Hi * causal pairs, KL 8 * 128 * (group-16 main scores + index scores)
-// per visible pair counted as in docs/performance.md.
+// per visible pair counted as in docs/performance-design.md §1.
 //
 // usage: msa_gpu_bench [--tokens 4096,8192,...] [--reps 10] [--out results.csv]
 #include <cuda_runtime.h>
