@@ -239,7 +239,7 @@ inline PagedOutputs run_paged(const PagedCase& c, int num_kv_splits = 0, DType o
   return o;
 }
 
-// The library's selection against the oracle (spec §7): valid prefix, local page last, the
+// The library's selection against the oracle (docs/semantics.md §10): valid prefix, local page last, the
 // exact set, or, at near-ties, ranked pages whose oracle score reaches the oracle's threshold
 // within `tie`; forced init pages first and forced local pages last, both ascending; ranked
 // pages in non-increasing score order.
@@ -314,7 +314,7 @@ inline void check_paged_selection(const PagedCase& c, const HostTensor& topk, do
     }
 }
 
-// Attention outputs against the oracle run with the library's own selection (spec §7): out
+// Attention outputs against the oracle run with the library's own selection (docs/semantics.md §10): out
 // rel. L2 < 1e-2 and atol = rtol = 3e-2, finite LSE atol = rtol = 1e-3, rows without keys
 // exactly 0 / -inf, every element written.
 inline void check_paged_attention(const PagedCase& c, const PagedOutputs& o, const std::vector<int64_t>& rows = {}) {

@@ -1,4 +1,4 @@
-// sparse_attention_backward against the float64 oracle (spec §5.4, §7): dq, and dk / dv
+// sparse_attention_backward against the float64 oracle (docs/semantics.md §6, §10): dq, and dk / dv
 // summed over the 16 query heads of a group, on the library's own selection and forward.
 #include <algorithm>
 #include <numeric>

@@ -1,4 +1,4 @@
-// sparse_attention_forward against the float64 oracle (spec §4, §7, §8), on the library's
+// sparse_attention_forward against the float64 oracle (docs/semantics.md §4, §10), on the library's
 // own selection so that selection near-ties cannot leak into attention results.
 #include <algorithm>
 #include <numeric>

@@ -1,4 +1,4 @@
-// Every rejected call names the culprit (spec §9 as our API words it) and leaves its outputs
+// Every rejected call names the culprit (docs/semantics.md §13) and leaves its outputs
 // untouched: outputs are poisoned before the call and compared byte for byte after it.
 #include "test_support.h"
 

@@ -126,7 +126,7 @@ TEST(GpuIndexer, InitAndLocalForcing) {
 
 TEST(GpuIndexer, TiesPreferLowerBlockIds) {
   MSA_REQUIRE_GPU();
-  // All-zero index vectors: every score ties, so the 15 lowest ids win (spec §3.3).
+  // All-zero index vectors: every score ties, so the 15 lowest ids win (docs/semantics.md §3.4).
   const Topology topo;
   const PackedLayout L = layout_of({2304, 700});
   HostTensor iq(DType::bf16, {L.total_q(), 4, 128}), ik(DType::bf16, {L.total_k(), 1, 128});

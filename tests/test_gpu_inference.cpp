@@ -1,7 +1,7 @@
 // The inference operations on the GPU against the CPU backend on the same inputs: norm + RoPE,
 // cache insertion in every format, NVFP4 -> FP8, the paged indexer (equal selections, or
 // near-ties checked against the float64 oracle), paged prefill / decode attention over every
-// cache format (relative L2 and LSE within spec §7), strided cache views, CUDA-graph capture
+// cache format (relative L2 and LSE within docs/semantics.md §10), strided cache views, CUDA-graph capture
 // and replay of a decode step, and bitwise repeatability.
 #include "inference_support.h"
 #include "test_gpu_support.h"
@@ -165,7 +165,7 @@ void expect_selection_matches_cpu(const PagedCase& c, const HostTensor& gpu, con
       << "too many selection rows differ from the CPU";
 }
 
-// GPU attention outputs against the CPU backend's: relative L2 (spec §7: 1e-2), LSE within
+// GPU attention outputs against the CPU backend's: relative L2 (docs/semantics.md §10: 1e-2), LSE within
 // 1e-3, rows without keys exactly 0 / -inf, nothing unwritten.
 void expect_attention_matches_cpu(const PagedOutputs& gpu, const PagedOutputs& cpu, double l2 = 1e-2) {
   const auto go = gpu.out.floats(), co = cpu.out.floats(), gl = gpu.lse.floats(), cl = cpu.lse.floats();

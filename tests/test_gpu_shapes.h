@@ -1,4 +1,4 @@
-// Layouts the GPU tests run on: the spec §8 edge cases and real workload shapes
+// Layouts the GPU tests run on: the edge cases of docs/semantics.md §2-§4 and real workload shapes
 // (tests/data/gpu_shapes.txt, from MiniMax-AI/MSA, MIT license) scaled down so that the CPU
 // reference stays quick.
 #pragma once

@@ -1,4 +1,4 @@
-// select_blocks against the float64 oracle (spec §3, §7, §8): selection compared as sets with
+// select_blocks against the float64 oracle (docs/semantics.md §3, §10): selection compared as sets with
 // the near-tie rule, the valid-prefix / uniqueness / local-last contract, output order, and
 // the selected LSE.
 #include <algorithm>
@@ -9,7 +9,7 @@
 namespace msa::test {
 namespace {
 
-constexpr double kNearTie = 5e-3;  // spec §7: selected history score >= threshold - 5e-3
+constexpr double kNearTie = 5e-3;  // docs/semantics.md §10: selected history score >= threshold - 5e-3
 
 struct IndexerOutputs {
   HostTensor topk;  // [Hi, total_q, 16] int32
@@ -88,7 +88,7 @@ void check_selection(const Topology& topo, const PackedLayout& L, const Inputs& 
             err << "slot " << size_t(count) - nl + s << " should hold local block " << want.forced_local[s] << "; ";
       }
 
-      // Ranked history: equal sets, or only near-ties (spec §7).
+      // Ranked history: equal sets, or only near-ties (docs/semantics.md §10).
       std::set<int32_t> want_set(want_ids.begin(), want_ids.end());
       if (got_set != want_set && !want.ranked.empty()) {
         const double threshold = want.block_scores[size_t(want.ranked.back())];
@@ -270,7 +270,7 @@ TEST(Indexer, NanScoresAreNeverSelected) {
 
 TEST(Indexer, FragmentsShareOneKvRange) {
   MSA_SEEDED_RNG(rng);
-  // Context parallelism (spec §5.1, §8.10): document A (2600 tokens) stored once as keys
+  // Context parallelism (docs/semantics.md §2.3): document A (2600 tokens) stored once as keys
   // [0, 2600); this rank holds its queries [0, 300) and [2000, 2600) as two fragments that both
   // start at fragment 0's keys. Document B (400 tokens) is a plain document.
   const PackedLayout L = PackedLayout::from_cu_seqlens({0, 300, 900, 1300}, {0, 300, 2600, 3000}, {0, 0, 2});

@@ -1,5 +1,5 @@
 // Contract tests of the inference API: every invalid request metadata, shape, dtype, stride,
-// scale and id gets its named error (spec §9 in our wording), and a rejected call leaves
+// scale and id gets its named error (docs/semantics.md §13), and a rejected call leaves
 // every output untouched.
 #include "inference_support.h"
 

@@ -1,4 +1,4 @@
-// kl_backward against the float64 oracle (spec §5.5, ops.h KlBackwardParams). The inputs
+// kl_backward against the float64 oracle (docs/semantics.md §7, ops.h KlBackwardParams). The inputs
 // come from the library's own pipeline: select_blocks (selection + index LSE at temperature 1),
 // build_plan, sparse_attention_forward (main LSE).
 #include <algorithm>
@@ -71,7 +71,7 @@ double max_abs(const std::vector<double>& v) {
 }
 
 // The gradients are tiny at the training grad_scale; pick grad_scale so that the largest
-// oracle gradient is about 1, then apply atol 2e-3 / rtol 1e-2 (spec §7) and relative L2.
+// oracle gradient is about 1, then apply atol 2e-3 / rtol 1e-2 (docs/semantics.md §10) and relative L2.
 void check_kl(const KlCase& c) {
   const oracle::KlResult unit = oracle_kl(c, 1.0);
   const double peak = std::max(max_abs(unit.dindex_q), max_abs(unit.dindex_k));

@@ -1,4 +1,4 @@
-// PackedLayout (cu_seqlens, tensors, document maps) and pack / unpack (spec §5.1).
+// PackedLayout (cu_seqlens, tensors, document maps) and pack / unpack (docs/semantics.md §2).
 #include "test_support.h"
 
 namespace msa::test {

@@ -1,4 +1,4 @@
-// build_plan against the oracle's k2q CSR (spec §5.2, ops.h SparsePlan): every buffer
+// build_plan against the oracle's k2q CSR (docs/semantics.md §5, ops.h SparsePlan): every buffer
 // compared exactly, the schedule as a set of work items split by q_per_cta and ordered
 // largest first.
 #include <algorithm>
@@ -116,7 +116,7 @@ TEST(Plan, ChunkedPrefillAndDocumentsWithoutQueries) {
 
 TEST(Plan, FragmentsGetTheirOwnRows) {
   MSA_SEEDED_RNG(rng);
-  // Fragments sharing one KV range still count their rows separately (spec §5.1).
+  // Fragments sharing one KV range still count their rows separately (docs/semantics.md §2.3, §5.1).
   const Topology topo;
   const PackedLayout L = PackedLayout::from_cu_seqlens({0, 300, 900, 1300}, {0, 300, 2600, 3000}, {0, 0, 2});
   EXPECT_EQ(L.total_rows(), 3 + 21 + 4);

@@ -191,7 +191,7 @@ inline int64_t count_not_close(const std::vector<float>& a, const std::vector<do
   return bad;
 }
 
-// gtest assertions of the spec §7 metrics on one tensor.
+// gtest assertions of the docs/semantics.md §10 metrics on one tensor.
 inline void expect_close(const std::string& what, const std::vector<float>& got, const std::vector<double>& want,
                          double atol, double rtol, int64_t inner = 1) {
   ASSERT_EQ(got.size(), want.size()) << what;
@@ -236,7 +236,7 @@ inline void expect_error(const std::function<void()>& call, const std::vector<st
 
 // ---- the training pipeline on CPU tensors --------------------------------------------------
 
-// Inputs of one attention check: q/k/v, the selection (normally the library's own, spec §7)
+// Inputs of one attention check: q/k/v, the selection (normally the library's own, docs/semantics.md §10)
 // and its plan.
 struct AttentionCase {
   Topology topo;

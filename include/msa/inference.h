@@ -77,7 +77,7 @@ struct PagedKvCache {
 // ---------------------------------------------------------------------------------------
 // Pre-processing
 
-// Gemma RMSNorm followed by partial NeoX RoPE (spec §2.1), per (token, head) row of 128:
+// Gemma RMSNorm followed by partial NeoX RoPE (docs/semantics.md §9.7), per (token, head) row of 128:
 //   y = bf16(x * rsqrt(mean(x^2) + eps) * (1 + w))            (fp32 math)
 //   for j < rotary_dim / 2: inv_freq_j = fp32(rope_theta^(-2j / rotary_dim)),
 //     angle = fp32(pos * inv_freq_j), c = cos(angle), s = sin(angle)   (fp32)

@@ -1,12 +1,13 @@
 #!/usr/bin/env python3
-"""Independent check of `msa run-case` against a float64 NumPy oracle written from the spec.
+"""Independent check of `msa run-case` against the float64 NumPy oracle (oracle_np.py,
+inference_np.py) written from docs/semantics.md.
 
 Generates the cases of make_cases.py, runs `msa run-case` on each and compares:
   * selection: the output contract (valid prefix, unique ids, count = min(16, visible blocks),
     the query's own block last) and the sets against the oracle's, where a different set is
     accepted only at near-ties (every block msa ranked scores within 5e-3 of the oracle's
     weakest ranked block); the ties case must match exactly;
-  * with msa's own selection (spec §7): out (atol = rtol = 3e-2, and relative L2 <= 1e-2),
+  * with msa's own selection (docs/semantics.md §10): out (atol = rtol = 3e-2, and relative L2 <= 1e-2),
     LSE (1e-3), indexer LSE (2e-3), dq / dk / dv and dindex_q / dindex_k (cosine > 0.99);
     out and every gradient also row by row (relative L2 of each row <= 2e-2), which catches
     a few wrong rows that whole-tensor measures average away;

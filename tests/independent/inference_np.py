@@ -1,5 +1,5 @@
 """Float64 NumPy oracle of MSA inference over paged caches, written from the specification
-(msa_semantics.md §6: paged caches, decode / chunked-prefill positions, FP8 and NVFP4 caches)
+(docs/semantics.md §9: paged caches, decode / chunked-prefill positions, FP8 and NVFP4 caches)
 and docs/inference.md (tensor names, layouts, scales), without reference to the C++ code.
 
 Rows: query row r belongs to request b and sits at position p = seq_lens[b] - q_len_b + i

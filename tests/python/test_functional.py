@@ -20,7 +20,7 @@ def make_inputs(rng, cu=CU, hkv=1):
 
 
 def check_selection(topk, layout, iq, ik, tol=1e-4):
-    """Contract (prefix, unique, local last, count) and the threshold rule of spec §7."""
+    """Contract (prefix, unique, local last, count) and the threshold rule of docs/semantics.md §10."""
     want, scores = ref.select_blocks(iq, ik, layout)
     got = ref.topk_to_sets(topk)
     for g in range(topk.shape[0]):

@@ -8,7 +8,7 @@
 //   * the tail of every document (its last rows): the keys at or after the tail's first
 //     position are attended only by tail rows, so their dk, dv and dindex_k are complete.
 // Attention and KL use the library's own selection so that near-tie differences in the
-// indexer do not leak into the other checks (spec §7).
+// indexer do not leak into the other checks (docs/semantics.md §10).
 #include "demo.h"
 
 #include <omp.h>

@@ -128,7 +128,7 @@ DecodeStepResult run_decode_step(const Topology& topo, Device device, uint64_t s
         continue;
       }
       if (std::set<int32_t>(valid.begin(), valid.end()) == std::set<int32_t>(ref.ids.begin(), ref.ids.end())) continue;
-      // Sets differ: acceptable only at near-ties of the ranked pages (spec §7).
+      // Sets differ: acceptable only at near-ties of the ranked pages (docs/semantics.md §10).
       bool tie = ref.ranked;
       for (int32_t id : valid)
         if (id < ref.local_begin && id >= ref.init_end)

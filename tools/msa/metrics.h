@@ -1,4 +1,4 @@
-// Error measures between a result and a reference (spec §7): relative L2 error, cosine
+// Error measures between a result and a reference (docs/semantics.md §10): relative L2 error, cosine
 // similarity, and allclose-style counts |x - ref| <= atol + rtol |ref|.
 #pragma once
 

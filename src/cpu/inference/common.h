@@ -127,7 +127,7 @@ inline void index_keys_transposed(const TensorView& cache, int64_t page, float* 
   transpose_page(rows, dst);
 }
 
-// Gemma RMSNorm + partial NeoX RoPE of one 128-row (spec §2.1), bf16-rounded results:
+// Gemma RMSNorm + partial NeoX RoPE of one 128-row (docs/semantics.md §9.7), bf16-rounded results:
 // the norm output is rounded to bf16 before the rotation, the rotation result again.
 // `weight1p` holds 1 + w (fp32); `inv_freq` the rotary_dim / 2 fp32 inverse frequencies.
 inline void norm_rope_row(const float* x, const float* weight1p, const float* inv_freq, int rotary_dim, float eps,

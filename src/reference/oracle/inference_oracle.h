@@ -1,4 +1,4 @@
-// The float64 brute-force oracle of the inference path (spec §2.1, §3, §4, §6), written from
+// The float64 brute-force oracle of the inference path (docs/semantics.md §3, §4, §9), written from
 // the specification and independent of the library's backends: its own bit-level decoders
 // of bf16 / E4M3 / E2M1, dense key lists per query, double accumulation.
 //
@@ -28,7 +28,7 @@ double round_to_e4m3(double x);                  // nearest E4M3 value, ties to 
 double round_to_bf16(double x);                  // nearest bf16 value, ties to even
 double nvfp4_value(uint8_t code, uint8_t scale_code);  // round_to_e4m3(clamp(e2m1 * scale, ±448))
 
-// ---- pre-processing (spec §2.1) ----------------------------------------------------------
+// ---- pre-processing (docs/semantics.md §9.7) ----------------------------------------------------------
 
 // Gemma RMSNorm (double), rounded to bf16, then partial NeoX RoPE (double) with
 // inv_freq_j = fp32(theta^(-2j / rotary_dim)) and angle = fp32(pos * inv_freq_j) as the
@@ -64,7 +64,7 @@ std::array<double, 128> cache_row(const PagedKvCache& cache, bool value_side, in
 // Index-K cache row (bf16 or fp8, scale 1).
 std::array<double, 128> index_cache_row(const TensorView& index_k_cache, int64_t page, int64_t offset);
 
-// ---- indexer (spec §3, §6.2) -------------------------------------------------------------
+// ---- indexer (docs/semantics.md §3, §9.3) -------------------------------------------------------------
 
 struct PagedRowSelection {
   int64_t position = 0;
@@ -86,7 +86,7 @@ PagedRowSelection paged_select_row(const Topology& topo, const PagedRequests& re
 std::vector<int32_t> paged_select(const Topology& topo, const PagedRequests& req, const float* index_q,
                                   const TensorView& index_k_cache);
 
-// ---- attention (spec §4) -----------------------------------------------------------------
+// ---- attention (docs/semantics.md §4, §9.4) -----------------------------------------------------------------
 
 struct PagedAttentionResult {
   std::vector<double> out;  // [total_q, Hq, 128]

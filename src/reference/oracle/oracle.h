@@ -1,8 +1,10 @@
 // The float64 brute-force oracle: an implementation of the MSA semantics written straight
-// from the specification (spec §3, §4, §5.2, §5.5), independent of the library's backends.
+// from the specification (docs/semantics.md §3-§8), independent of the library's backends.
 // It favours obviousness over speed: dense per-row key lists, double accumulation, no
 // blocking. Inputs are fp32 arrays (bf16 tensors upcast exactly), row-major, packed like the
 // library's tensors; outputs are double.
+// Reference code, not part of the installed library: `msa demo` and the C++ tests check
+// against it (docs/architecture.md says which reference is the ground truth for what).
 //
 // Conventions shared by every function:
 //   * Documents come from cu_seqlens (+ optional fragment indices) through `documents()`.
@@ -42,7 +44,7 @@ double attention_scale(const Topology& topo);
 double index_scale(const Topology& topo);
 
 // ---------------------------------------------------------------------------------------
-// Indexer (spec §3).
+// Indexer (docs/semantics.md §3).
 
 // The selection of one (query row, index head) with its ingredients, for tests that need to
 // judge near-ties.
@@ -78,7 +80,7 @@ std::vector<double> selected_lse(const Topology& topo, const std::vector<Doc>& d
                                  const float* index_k, const int32_t* topk, double temperature = 1.0);
 
 // ---------------------------------------------------------------------------------------
-// Main branch (spec §4, §5.4).
+// Main branch (docs/semantics.md §4, §6).
 
 struct AttentionResult {
   std::vector<double> out;  // [total_q, Hq, D]
@@ -104,7 +106,7 @@ AttentionResult attention_backward(const Topology& topo, const std::vector<Doc>&
                                    int64_t total_k);
 
 // ---------------------------------------------------------------------------------------
-// KL backward (spec §5.5 and ops.h KlBackwardParams): per (row, index head g) over the
+// KL backward (docs/semantics.md §7): per (row, index head g) over the
 // selected causal keys, teacher = mean over the group's heads of exp(z - lse),
 // student = exp(s - index_lse), ds = (student - teacher) * grad_scale,
 // dindex_q = Σ ds ki * index_scale, dindex_k += ds qi * index_scale.
@@ -119,7 +121,7 @@ KlResult kl_backward(const Topology& topo, const std::vector<Doc>& docs, const f
                      const int32_t* topk, int64_t total_k, double grad_scale);
 
 // ---------------------------------------------------------------------------------------
-// k2q CSR and schedule (spec §5.2, ops.h SparsePlan).
+// k2q CSR and schedule (docs/semantics.md §5).
 struct Plan {
   int64_t total_rows = 0;
   std::vector<int32_t> rows;          // [total_rows, 2] (document, kv_block), level-major
