@@ -19,7 +19,8 @@ void kl_backward(const Topology&, const PackedLayout&, const SparsePlan&, const 
 void merge_states(const MergeStatesParams&, const RunOptions&);
 }  // namespace cpu
 
-#if MSA_WITH_CUDA
+// Defined only in builds with the CUDA backend (MSA_WITH_CUDA). src/core reaches the operations
+// through detail::dispatch (core/dispatch.h), which calls none of them in other builds.
 namespace cuda {
 void* allocate(int64_t bytes, int device);
 void release(void* ptr, int device);
@@ -41,6 +42,5 @@ void kl_backward(const Topology&, const PackedLayout&, const SparsePlan&, const 
                  const RunOptions&);
 void merge_states(const MergeStatesParams&, const RunOptions&);
 }  // namespace cuda
-#endif
 
 }  // namespace msa

@@ -44,9 +44,8 @@ void paged_attention(const InferencePlan&, const PagedAttentionParams&, const Ru
 int64_t inference_scratch_f32(const InferencePlan&);
 }  // namespace cpu
 
-// The CUDA backend defines MSA_CUDA_INFERENCE=1 (src/cuda/CMakeLists.txt) once it implements
-// these; until then CUDA inputs are refused with an "unsupported" error.
-#if MSA_WITH_CUDA && MSA_CUDA_INFERENCE
+// Defined only in builds with the CUDA backend (src/cuda/inference/); src/core/inference.cpp
+// reaches them through detail::dispatch (core/dispatch.h), which calls none of them in other builds.
 namespace cuda {
 void rms_norm_rope(const RmsNormRopeParams&, const RunOptions&);
 void insert_kv(const KvInsertParams&, const RunOptions&);
@@ -54,6 +53,5 @@ void nvfp4_to_fp8(const Nvfp4ToFp8Params&, const RunOptions&);
 void paged_indexer(const InferencePlan&, const PagedIndexerParams&, const RunOptions&);
 void paged_attention(const InferencePlan&, const PagedAttentionParams&, const RunOptions&);
 }  // namespace cuda
-#endif
 
 }  // namespace msa

@@ -6,6 +6,7 @@
 
 #include "backend_inference.h"
 #include "core/check.h"
+#include "core/dispatch.h"
 #include "msa/inference.h"
 
 namespace msa {
@@ -13,38 +14,13 @@ namespace msa {
 using detail::check_rows_aligned;
 using detail::concat;
 using detail::Dim;
+using detail::dispatch;
 using detail::fail;
 using detail::require;
 
 namespace {
 
 bool on_cuda(const TensorView& t) { return t.device.is_cuda(); }
-
-#if !(MSA_WITH_CUDA && MSA_CUDA_INFERENCE)
-[[noreturn]] void no_cuda(const char* op) {
-#if MSA_WITH_CUDA
-  detail::unsupported(concat(op, ": the CUDA backend of this build does not implement the inference operations yet; "
-                                 "run it on CPU tensors"));
-#else
-  detail::unsupported(concat(op, ": the inputs are CUDA tensors but msa was built without the CUDA backend "
-                                 "(configure with -DMSA_ENABLE_CUDA=ON on a machine with nvcc)"));
-#endif
-}
-#endif
-
-#if MSA_WITH_CUDA && MSA_CUDA_INFERENCE
-#define MSA_DISPATCH(op, ...)               \
-  do {                                      \
-    if (cuda_inputs) return cuda::op(__VA_ARGS__); \
-    return cpu::op(__VA_ARGS__);            \
-  } while (0)
-#else
-#define MSA_DISPATCH(op, ...)               \
-  do {                                      \
-    if (cuda_inputs) no_cuda(#op);          \
-    return cpu::op(__VA_ARGS__);            \
-  } while (0)
-#endif
 
 // A present tensor with the given dtype, shape and device whose rows may be strided but whose
 // last dimension is contiguous.
@@ -230,8 +206,7 @@ void rms_norm_rope(const RmsNormRopeParams& p, const RunOptions& opt) {
   check_view(p.out, "out", {DType::bf16}, {T, H, Dim(kHeadDim)}, dev);
   check_config(p.config);
   if (p.config.rotary_dim > 0) detail::check_tensor(p.positions, "positions", {DType::i32}, {T}, dev);
-  const bool cuda_inputs = on_cuda(p.x);
-  MSA_DISPATCH(rms_norm_rope, p, opt);
+  dispatch("rms_norm_rope", dev, [&] { cpu::rms_norm_rope(p, opt); }, [&] { cuda::rms_norm_rope(p, opt); });
 }
 
 void insert_kv(const KvInsertParams& p, const RunOptions& opt) {
@@ -275,8 +250,7 @@ void insert_kv(const KvInsertParams& p, const RunOptions& opt) {
       used[size_t(s)] = true;
     }
   }
-  const bool cuda_inputs = on_cuda(p.k);
-  MSA_DISPATCH(insert_kv, p, opt);
+  dispatch("insert_kv", dev, [&] { cpu::insert_kv(p, opt); }, [&] { cuda::insert_kv(p, opt); });
 }
 
 void nvfp4_to_fp8(const Nvfp4ToFp8Params& p, const RunOptions& opt) {
@@ -304,8 +278,7 @@ void nvfp4_to_fp8(const Nvfp4ToFp8Params& p, const RunOptions& opt) {
                    concat(p.page_ids.present() ? "shape [n, Hkv, 128, 128] = [" : "shape [physical_pages, Hkv, 128, 128] = [", n,
                           ", ", Hkv, ", 128, 128]"),
                    dev);
-  const bool cuda_inputs = on_cuda(p.packed);
-  MSA_DISPATCH(nvfp4_to_fp8, p, opt);
+  dispatch("nvfp4_to_fp8", dev, [&] { cpu::nvfp4_to_fp8(p, opt); }, [&] { cuda::nvfp4_to_fp8(p, opt); });
 }
 
 void paged_indexer(const InferencePlan& plan, const PagedIndexerParams& p, const RunOptions& opt) {
@@ -313,8 +286,7 @@ void paged_indexer(const InferencePlan& plan, const PagedIndexerParams& p, const
   const Device dev = p.index_q.device;
   check_plan_device(plan, dev, "paged_indexer");
   check_indexer(plan, p, dev);
-  const bool cuda_inputs = on_cuda(p.index_q);
-  MSA_DISPATCH(paged_indexer, plan, p, opt);
+  dispatch("paged_indexer", dev, [&] { cpu::paged_indexer(plan, p, opt); }, [&] { cuda::paged_indexer(plan, p, opt); });
 }
 
 void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, const RunOptions& opt) {
@@ -325,8 +297,8 @@ void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, c
   const Dim Tq(plan.total_q, plan.phase == InferencePhase::decode ? "batch * Q" : "total_q");
   detail::check_tensor(p.topk, "topk", {DType::i32}, {Dim(plan.topo.num_kv_heads, "Hkv"), Tq, Dim(kTopk)}, dev);
   check_topk_contents(plan, p.topk);
-  const bool cuda_inputs = on_cuda(p.q);
-  MSA_DISPATCH(paged_attention, plan, p, opt);
+  dispatch(
+      "paged_attention", dev, [&] { cpu::paged_attention(plan, p, opt); }, [&] { cuda::paged_attention(plan, p, opt); });
 }
 
 void paged_forward(const InferencePlan& plan, const PagedIndexerParams& indexer, const PagedAttentionParams& attention,
@@ -341,17 +313,16 @@ void paged_forward(const InferencePlan& plan, const PagedIndexerParams& indexer,
           "indexer's selection)");
   PagedAttentionParams a = attention;
   a.topk = indexer.topk;
-  const bool cuda_inputs = on_cuda(indexer.index_q);
-#if MSA_WITH_CUDA && MSA_CUDA_INFERENCE
-  if (cuda_inputs) {
-    cuda::paged_indexer(plan, indexer, opt);
-    return cuda::paged_attention(plan, a, opt);
-  }
-#else
-  if (cuda_inputs) no_cuda("paged_forward");
-#endif
-  cpu::paged_indexer(plan, indexer, opt);
-  cpu::paged_attention(plan, a, opt);
+  dispatch(
+      "paged_forward", dev,
+      [&] {
+        cpu::paged_indexer(plan, indexer, opt);
+        cpu::paged_attention(plan, a, opt);
+      },
+      [&] {
+        cuda::paged_indexer(plan, indexer, opt);
+        cuda::paged_attention(plan, a, opt);
+      });
 }
 
 }  // namespace msa
