@@ -30,9 +30,12 @@
 
 #if defined(__CUDACC__)
 #define MSA_HOST_DEVICE __host__ __device__ __forceinline__
-#define MSA_STATE_UNROLL _Pragma("unroll")
 #else
 #define MSA_HOST_DEVICE inline
+#endif
+#if defined(__CUDA_ARCH__)  // the device pass only: host compilers warn about the pragma
+#define MSA_STATE_UNROLL _Pragma("unroll")
+#else
 #define MSA_STATE_UNROLL
 #endif
 
