@@ -1,5 +1,6 @@
 #include "convert.h"
 
+#include <algorithm>
 #include <string>
 
 #include "msa/error.h"
@@ -70,9 +71,20 @@ TensorView convert(const Array& a, const char* name) {
   v.dtype = to_dtype(a.dtype(), name);
   v.device = to_device(a.device_type(), a.device_id(), name);
   v.rank = int(a.ndim());
+  bool empty = false;
   for (size_t i = 0; i < a.ndim(); ++i) {
     v.shape[i] = int64_t(a.shape(i));
     v.stride[i] = a.stride(i);
+    empty = empty || v.shape[i] == 0;
+  }
+  // An array without elements has no meaningful strides (exporters give 0s): describe it as
+  // row-major so that an empty batch passes the layout checks and yields empty outputs.
+  if (empty) {
+    int64_t s = 1;
+    for (int i = v.rank; i-- > 0;) {
+      v.stride[size_t(i)] = s;
+      s *= std::max<int64_t>(v.shape[size_t(i)], 1);
+    }
   }
   return v;
 }

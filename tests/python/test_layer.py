@@ -4,6 +4,7 @@ import pytest
 
 torch = pytest.importorskip("torch", reason="PyTorch is not installed: msa.torch tests skipped")
 
+import msa  # noqa: E402
 import msa.torch as mt  # noqa: E402
 
 CONFIG = dict(hidden_size=256, num_q_heads=16, num_kv_heads=1)
@@ -93,12 +94,46 @@ def test_eval_mode_gives_no_index_gradient():
 def test_cu_seqlens_matches_document_map():
     layer, _ = make_pair(3)
     x = torch.randn(1, 260, 256)
-    doc = torch.tensor([[1] * 130 + [2] * 100 + [0] * 30], dtype=torch.int32)
+    doc = torch.tensor([[1] * 130 + [2] * 100 + [3] * 30], dtype=torch.int32)
     with torch.no_grad():
         a = layer(x, document_map=doc)
-        b = layer(x, cu_seqlens=[0, 130, 230])
+        b = layer(x, cu_seqlens=[0, 130, 230, 260])
     assert torch.equal(a, b)
-    assert (b[0, 230:] == 0).all()
+
+
+@pytest.mark.parametrize("cu", [[0, 30], [0, 100], [0, 20, 63]])
+def test_cu_seqlens_must_cover_the_tokens(cu):
+    # Fewer tokens used to zero the rest silently; padding is described by a document map.
+    layer, _ = make_pair(3)
+    x = torch.randn(1, 64, 256)
+    with pytest.raises(msa.InvalidArgumentError, match=r"cu_seqlens must cover the input's batch \* seq = 64"):
+        layer(x, cu_seqlens=cu)
+    with pytest.raises(msa.InvalidArgumentError, match="cu_seqlens must cover"):
+        mt.PackingIndex(1, 64, cu_seqlens=torch.tensor(cu, dtype=torch.int32))
+
+
+def test_float_layout_metadata_is_refused():
+    layer, _ = make_pair(3)
+    x = torch.randn(1, 64, 256)
+    with pytest.raises(msa.InvalidArgumentError, match="cu_seqlens_q must hold integers"):
+        layer(x, cu_seqlens=torch.tensor([0.0, 64.0]))
+    with pytest.raises(msa.InvalidArgumentError, match="document_map must hold integers"):
+        layer(x, document_map=torch.full((1, 64), 1.7))
+
+
+def test_bf16_input_needs_bf16_parameters():
+    # The README's example: a bf16 batch into the layer converted with the usual idiom.
+    torch.manual_seed(7)
+    layer = mt.MiniMaxM3SparseAttention(**CONFIG).to(torch.bfloat16)
+    x = torch.randn(2, 140, 256, dtype=torch.bfloat16, requires_grad=True)
+    doc_map = torch.ones(2, 140, dtype=torch.int32)
+    y = layer(x, document_map=doc_map)
+    assert y.shape == (2, 140, 256) and y.dtype == torch.bfloat16
+    y.float().square().mean().backward()
+    assert x.grad is not None and torch.isfinite(x.grad.float()).all()
+    # Without the conversion the message says what to do (nn.Linear's is about mat1 / mat2).
+    with pytest.raises(msa.InvalidArgumentError, match=r"layer.to\(torch.bfloat16\)"):
+        mt.MiniMaxM3SparseAttention(**CONFIG)(x, document_map=doc_map)
 
 
 def test_selection_beyond_16_blocks_matches_reference():

@@ -10,74 +10,28 @@ Layout metadata (cu_seqlens, fragment_indices) are int32 CPU tensors: they are r
 host, as the library plans on the host. Output shapes depend only on input shapes.
 """
 
-from collections import OrderedDict
 from typing import Optional, Tuple
 
 import torch
 from torch import Tensor
 
-from .. import _native
-
-_LAYOUT_CACHE = OrderedDict()
-_LAYOUT_CACHE_SIZE = 64
+from .. import _calls, _native
+from ..constants import GROUP_SIZE, TOPK
 
 
 def layout_from_tensors(cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, fragment_indices: Optional[Tensor]):
-    """A PackedLayout for host tensors, cached by value (layouts are immutable)."""
-    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k),
-                    ("fragment_indices", fragment_indices)):
-        if t is not None and t.device.type != "cpu":
-            raise _native.InvalidArgumentError(
-                f"{name} must be a CPU tensor (layout metadata is read on the host; reading a "
-                f"{t.device.type} tensor would wait for the device), got device {t.device}")
-    key = (tuple(cu_seqlens_q.tolist()), tuple(cu_seqlens_k.tolist()),
-           tuple(fragment_indices.tolist()) if fragment_indices is not None else ())
-    layout = _LAYOUT_CACHE.get(key)
-    if layout is None:
-        layout = _native.PackedLayout.from_cu_seqlens(list(key[0]), list(key[1]), list(key[2]))
-        _LAYOUT_CACHE[key] = layout
-        if len(_LAYOUT_CACHE) > _LAYOUT_CACHE_SIZE:
-            _LAYOUT_CACHE.popitem(last=False)
-    else:
-        _LAYOUT_CACHE.move_to_end(key)
-    return layout
-
-
-def _dl(t: Optional[Tensor]):
-    return None if t is None else torch.utils.dlpack.to_dlpack(t.detach())
+    """A PackedLayout for integer host tensors, cached by value (layouts are immutable)."""
+    return _calls.layout_from_cu_seqlens(cu_seqlens_q, cu_seqlens_k, fragment_indices, cached=True)
 
 
 def _run(t: Tensor, deterministic: bool):
-    stream = torch.cuda.current_stream(t.device).cuda_stream if t.is_cuda else 0
-    return dict(deterministic=deterministic, num_threads=0, stream=stream)
-
-
-def _topology(num_q_heads, num_kv_heads, init_blocks=0, local_blocks=1, softmax_scale=0.0, index_scale=0.0):
-    return _native.Topology(num_q_heads=int(num_q_heads), num_kv_heads=int(num_kv_heads),
-                            num_index_heads=int(num_kv_heads), init_blocks=int(init_blocks),
-                            local_blocks=int(local_blocks), softmax_scale=float(softmax_scale),
-                            index_scale=float(index_scale))
+    return _calls.run_options(t, deterministic=deterministic)
 
 
 def _shape(t: Tensor, name: str, rank: int):
     if t.dim() != rank:
         raise _native.InvalidArgumentError(f"{name} must have {rank} dimensions, got shape {list(t.shape)}")
     return t.shape
-
-
-class _on_device:
-    """Makes t's CUDA device current (the library launches on the tensors' device)."""
-
-    def __init__(self, t: Tensor):
-        self.ctx = torch.cuda.device(t.device) if t.is_cuda else None
-
-    def __enter__(self):
-        if self.ctx is not None:
-            self.ctx.__enter__()
-
-    def __exit__(self, *exc):
-        if self.ctx is not None:
-            self.ctx.__exit__(*exc)
 
 
 # ---- indexer -------------------------------------------------------------------------------
@@ -89,12 +43,12 @@ def select_blocks(index_q: Tensor, index_k: Tensor, cu_seqlens_q: Tensor, cu_seq
     """topk int32 [Hi, total_q, 16] and, with with_lse, selected_lse f32 [Hi, total_q] (else [0])."""
     total_q, hi, _ = _shape(index_q, "index_q", 3)
     layout = layout_from_tensors(cu_seqlens_q, cu_seqlens_k, fragment_indices)
-    topo = _topology(16 * hi, hi, init_blocks, local_blocks, 0.0, index_scale)
+    topo = _calls.topology(GROUP_SIZE * hi, hi, init_blocks=init_blocks, local_blocks=local_blocks,
+                           index_scale=index_scale)
     topk = index_q.new_empty((hi, total_q, topo.topk), dtype=torch.int32)
     lse = index_q.new_empty((hi, total_q) if with_lse else (0,), dtype=torch.float32)
-    with _on_device(index_q):
-        _native.select_blocks(topo, layout, _dl(index_q.contiguous()), _dl(index_k.contiguous()), _dl(topk),
-                              _dl(lse) if with_lse else None, lse_temperature, **_run(index_q, deterministic))
+    _calls.select_blocks(topo, layout, index_q.contiguous(), index_k.contiguous(), topk, lse if with_lse else None,
+                         lse_temperature, _run(index_q, deterministic))
     return topk, lse
 
 
@@ -102,7 +56,7 @@ def select_blocks(index_q: Tensor, index_k: Tensor, cu_seqlens_q: Tensor, cu_seq
 def _(index_q, index_k, cu_seqlens_q, cu_seqlens_k, fragment_indices, init_blocks, local_blocks, index_scale,
       lse_temperature, with_lse, deterministic):
     total_q, hi, _ = index_q.shape
-    topk = index_q.new_empty((hi, total_q, 16), dtype=torch.int32)
+    topk = index_q.new_empty((hi, total_q, TOPK), dtype=torch.int32)
     lse = index_q.new_empty((hi, total_q) if with_lse else (0,), dtype=torch.float32)
     return topk, lse
 
@@ -117,15 +71,14 @@ def sparse_attention_forward(q: Tensor, k: Tensor, v: Tensor, topk: Tensor, cu_s
     total_q, hq, _ = _shape(q, "q", 3)
     hkv = _shape(k, "k", 3)[1]
     layout = layout_from_tensors(cu_seqlens_q, cu_seqlens_k, fragment_indices)
-    topo = _topology(hq, hkv, softmax_scale=softmax_scale)
+    topo = _calls.topology(hq, hkv, softmax_scale=softmax_scale)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = q.new_empty((total_q, hq), dtype=torch.float32)
     run = _run(q, deterministic)
-    with _on_device(q):
-        topk_dl = topk.contiguous()
-        plan = _native.build_plan(topo, layout, _dl(topk_dl), 8, **run)
-        _native.sparse_attention_forward(topo, layout, plan, _dl(q.contiguous()), _dl(k.contiguous()),
-                                         _dl(v.contiguous()), _dl(topk_dl), _dl(out), _dl(lse), **run)
+    topk = topk.contiguous()
+    plan = _calls.build_plan(topo, layout, topk, run)
+    _calls.sparse_attention_forward(topo, layout, plan, q.contiguous(), k.contiguous(), v.contiguous(), topk, out, lse,
+                                    run)
     return out, lse
 
 
@@ -137,30 +90,31 @@ def _(q, k, v, topk, cu_seqlens_q, cu_seqlens_k, fragment_indices, softmax_scale
 @torch.library.custom_op("msa::sparse_attention_backward", mutates_args=())
 def sparse_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, topk: Tensor, out: Tensor, lse: Tensor,
                               cu_seqlens_q: Tensor, cu_seqlens_k: Tensor, fragment_indices: Optional[Tensor],
-                              softmax_scale: float, deterministic: bool) -> Tuple[Tensor, Tensor, Tensor]:
-    """dq, dk, dv (dtypes of q, k, v); dk/dv summed over the 16 query heads of a group."""
+                              softmax_scale: float, deterministic: bool,
+                              kv_grad_dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """dq, dk, dv (dtypes of q, k, v; dk and dv in ``kv_grad_dtype`` when given, float32 or
+    bfloat16); dk/dv summed over the 16 query heads of a group."""
     hq, hkv = _shape(q, "q", 3)[1], _shape(k, "k", 3)[1]
     layout = layout_from_tensors(cu_seqlens_q, cu_seqlens_k, fragment_indices)
-    topo = _topology(hq, hkv, softmax_scale=softmax_scale)
+    topo = _calls.topology(hq, hkv, softmax_scale=softmax_scale)
     dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    dk = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    dv = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    dk = torch.empty(k.shape, dtype=kv_grad_dtype or k.dtype, device=k.device)
+    dv = torch.empty(v.shape, dtype=kv_grad_dtype or v.dtype, device=v.device)
     run = _run(q, deterministic)
-    with _on_device(q):
-        topk_dl = topk.contiguous()
-        plan = _native.build_plan(topo, layout, _dl(topk_dl), 8, **run)
-        _native.sparse_attention_backward(topo, layout, plan, _dl(q.contiguous()), _dl(k.contiguous()),
-                                          _dl(v.contiguous()), _dl(topk_dl), _dl(out.contiguous()),
-                                          _dl(lse.contiguous()), _dl(dout.contiguous()), _dl(dq), _dl(dk), _dl(dv),
-                                          **run)
+    topk = topk.contiguous()
+    plan = _calls.build_plan(topo, layout, topk, run)
+    _calls.sparse_attention_backward(topo, layout, plan, q.contiguous(), k.contiguous(), v.contiguous(), topk,
+                                     out.contiguous(), lse.contiguous(), dout.contiguous(), dq, dk, dv, run)
     return dq, dk, dv
 
 
 @sparse_attention_backward.register_fake
-def _(dout, q, k, v, topk, out, lse, cu_seqlens_q, cu_seqlens_k, fragment_indices, softmax_scale, deterministic):
+def _(dout, q, k, v, topk, out, lse, cu_seqlens_q, cu_seqlens_k, fragment_indices, softmax_scale, deterministic,
+      kv_grad_dtype=None):
     contiguous = torch.contiguous_format
-    return (torch.empty_like(q, memory_format=contiguous), torch.empty_like(k, memory_format=contiguous),
-            torch.empty_like(v, memory_format=contiguous))
+    return (torch.empty_like(q, memory_format=contiguous),
+            torch.empty_like(k, memory_format=contiguous, dtype=kv_grad_dtype or k.dtype),
+            torch.empty_like(v, memory_format=contiguous, dtype=kv_grad_dtype or v.dtype))
 
 
 def _attention_setup(ctx, inputs, output):
@@ -193,16 +147,14 @@ def kl_backward(q: Tensor, k: Tensor, lse: Tensor, index_q: Tensor, index_k: Ten
     """f32 gradients of the indexer's KL(teacher || student) w.r.t. index_q and index_k."""
     hq, hkv = _shape(q, "q", 3)[1], _shape(k, "k", 3)[1]
     layout = layout_from_tensors(cu_seqlens_q, cu_seqlens_k, fragment_indices)
-    topo = _topology(hq, hkv, softmax_scale=softmax_scale, index_scale=index_scale)
+    topo = _calls.topology(hq, hkv, softmax_scale=softmax_scale, index_scale=index_scale)
     diq = index_q.new_empty(index_q.shape, dtype=torch.float32)
     dik = index_k.new_empty(index_k.shape, dtype=torch.float32)
     run = _run(q, deterministic)
-    with _on_device(q):
-        topk_dl = topk.contiguous()
-        plan = _native.build_plan(topo, layout, _dl(topk_dl), 8, **run)
-        _native.kl_backward(topo, layout, plan, _dl(q.contiguous()), _dl(k.contiguous()), _dl(lse.contiguous()),
-                            _dl(index_q.contiguous()), _dl(index_k.contiguous()), _dl(index_lse.contiguous()),
-                            _dl(topk_dl), _dl(diq), _dl(dik), grad_scale, **run)
+    topk = topk.contiguous()
+    plan = _calls.build_plan(topo, layout, topk, run)
+    _calls.kl_backward(topo, layout, plan, q.contiguous(), k.contiguous(), lse.contiguous(), index_q.contiguous(),
+                       index_k.contiguous(), index_lse.contiguous(), topk, diq, dik, grad_scale, run)
     return diq, dik
 
 
@@ -253,9 +205,8 @@ def merge_states(out_partials: Tensor, lse_partials: Tensor, deterministic: bool
     _shape(out_partials, "out_partials", 4)
     out = out_partials.new_empty(out_partials.shape[1:])
     lse = out_partials.new_empty(out_partials.shape[1:3], dtype=torch.float32)
-    with _on_device(out_partials):
-        _native.merge_states(_dl(out_partials.contiguous()), _dl(lse_partials.contiguous()), _dl(out), _dl(lse),
-                             **_run(out_partials, deterministic))
+    _calls.merge_states(out_partials.contiguous(), lse_partials.contiguous(), out, lse,
+                        _run(out_partials, deterministic))
     return out, lse
 
 

@@ -2,7 +2,7 @@
 
 Packed layout: tokens of all documents along one axis (q [total_q, Hq, 128], k/v
 [total_k, Hkv, 128], index_q [total_q, Hi, 128], index_k [total_k, 1, 128], bf16), described
-by cu_seqlens (lists or int32 CPU tensors). Selection is not differentiable; attention is
+by cu_seqlens (lists, NumPy arrays or CPU tensors of integers). Selection is not differentiable; attention is
 (dq, dk, dv); the index projections learn through ``indexer_kl_loss``.
 """
 
@@ -11,20 +11,14 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .. import _native
+from .. import _calls, _native
 from ..functional import make_layout
 from . import _ops
 
 
 def _host_int32(x, name):
-    if x is None:
-        return None
-    if isinstance(x, Tensor):
-        if x.device.type != "cpu":
-            raise _native.InvalidArgumentError(
-                f"{name} must be a CPU tensor or a list (layout metadata is read on the host), got device {x.device}")
-        return x.to(torch.int32).contiguous()
-    return torch.tensor(list(x), dtype=torch.int32)
+    """Integer layout metadata (list, NumPy array, CPU tensor) as an int32 CPU tensor."""
+    return None if x is None else torch.from_numpy(_calls.host_int32(x, name))
 
 
 def _cu(cu_seqlens_q, cu_seqlens_k, fragment_indices):
@@ -112,12 +106,15 @@ class PackingIndex:
             gather = np.nonzero(rows >= 0)[0]
             self.all_real = len(gather) == batch * seq
         else:
-            self.layout = make_layout(cu_seqlens.tolist() if isinstance(cu_seqlens, Tensor) else cu_seqlens)
-            if self.layout.total_q > batch * seq:
+            self.layout = make_layout(cu_seqlens)
+            if self.layout.total_q != batch * seq:
+                # Fewer would silently zero the rest; padding is what document_map describes.
                 raise _native.InvalidArgumentError(
-                    f"cu_seqlens covers {self.layout.total_q} tokens but the input holds batch * seq = {batch * seq}")
+                    f"cu_seqlens must cover the input's batch * seq = {batch * seq} tokens (cu_seqlens[-1] = "
+                    f"{batch * seq}), got cu_seqlens[-1] = {self.layout.total_q}; describe padding with a "
+                    f"document_map (0 = padding)")
             gather = np.arange(self.layout.total_q)
-            self.all_real = self.layout.total_q == batch * seq
+            self.all_real = True
         self.batch, self.seq = batch, seq
         self.total = int(self.layout.total_q)  # a plain int: torch.compile reads it as a constant
         self.cu_seqlens = torch.from_numpy(np.asarray(self.layout.cu_seqlens_q, dtype=np.int32))

@@ -18,6 +18,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from .. import _native
+from ..constants import HEAD_DIM
 from . import _ops
 from .functional import PackingIndex, attach_loss
 
@@ -25,7 +27,7 @@ from .functional import PackingIndex, attach_loss
 class GemmaRMSNorm(nn.Module):
     """y = x * rsqrt(mean(x^2) + eps) * (1 + w) in float32; w starts at 0. Returns float32."""
 
-    def __init__(self, dim: int = 128, eps: float = 1e-6, device=None, dtype=None):
+    def __init__(self, dim: int = HEAD_DIM, eps: float = 1e-6, device=None, dtype=None):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype))
@@ -60,13 +62,15 @@ class MiniMaxM3SparseAttention(nn.Module):
     forward(hidden_states [B, S, hidden], document_map=None | cu_seqlens=None, packing=None)
       document_map: [B, S] int32 (CPU preferred), 0 = padding, other values = document ids, each
         document one contiguous run; cu_seqlens: cumulative lengths over the row-major flattened
-        B * S tokens (tokens past cu_seqlens[-1] are padding); packing: a PackingIndex reused
-        across layers (then neither of the other two).
-    Parameters may be float32 or bf16; attention always runs in bf16 with fp32 accumulation.
+        B * S tokens, covering all of them (cu_seqlens[-1] = B * S; padding needs a
+        document_map); packing: a PackingIndex reused across layers (then neither of the other two).
+    Parameters may be float32 or bf16 (``layer.to(torch.bfloat16)``); hidden_states must have the
+    parameters' dtype, as for nn.Linear. Attention always runs in bf16 with fp32 accumulation.
     """
 
-    def __init__(self, hidden_size: int = 6144, num_q_heads: int = 64, num_kv_heads: int = 4, head_dim: int = 128,
-                 index_head_dim: int = 128, rotary_dim: int = 64, rope_theta: float = 5e6, rms_norm_eps: float = 1e-6,
+    def __init__(self, hidden_size: int = 6144, num_q_heads: int = 64, num_kv_heads: int = 4,
+                 head_dim: int = HEAD_DIM, index_head_dim: int = HEAD_DIM, rotary_dim: int = 64,
+                 rope_theta: float = 5e6, rms_norm_eps: float = 1e-6,
                  init_blocks: int = 0, local_blocks: int = 1, indexer_loss_weight: float = 1.0,
                  deterministic: bool = False, device=None, dtype=None):
         super().__init__()
@@ -107,6 +111,11 @@ class MiniMaxM3SparseAttention(nn.Module):
 
     def forward(self, hidden_states: Tensor, document_map=None, cu_seqlens=None, packing: PackingIndex = None):
         batch, seq, _ = hidden_states.shape
+        if hidden_states.dtype != self.qkv_proj.weight.dtype:
+            raise _native.InvalidArgumentError(
+                f"hidden_states is {hidden_states.dtype} but the layer's parameters are {self.qkv_proj.weight.dtype}: "
+                f"convert one of them (e.g. layer.to({hidden_states.dtype}) or hidden_states.to("
+                f"{self.qkv_proj.weight.dtype}))")
         if packing is None:
             packing = PackingIndex(batch, seq, document_map=document_map, cu_seqlens=cu_seqlens,
                                    device=hidden_states.device)

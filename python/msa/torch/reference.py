@@ -10,6 +10,7 @@ real tokens (teacher detached): the loss whose gradient the layer's indexer rece
 import torch
 from torch import Tensor, nn
 
+from ..constants import BLOCK_SIZE, HEAD_DIM, TOPK
 from .layer import GemmaRMSNorm, apply_partial_rope, rope_cos_sin
 
 
@@ -32,7 +33,7 @@ def document_map_from_cu_seqlens(cu_seqlens, batch: int, seq: int, device=None) 
     return flat.view(batch, seq).to(device)
 
 
-def select_blocks_dense(block_scores: Tensor, pos: Tensor, valid: Tensor, topk: int = 16, block: int = 128,
+def select_blocks_dense(block_scores: Tensor, pos: Tensor, valid: Tensor, topk: int = TOPK, block: int = BLOCK_SIZE,
                         init_blocks: int = 0, local_blocks: int = 1) -> Tensor:
     """Selected-block mask [..., S, NB] from block scores [..., S, NB] (max-pooled, -inf where not
     visible), query positions pos [B, S] and real-token mask valid [B, S].
@@ -58,9 +59,10 @@ def select_blocks_dense(block_scores: Tensor, pos: Tensor, valid: Tensor, topk: 
 class ReferenceSparseAttention(nn.Module):
     """Dense float32 reference of MiniMaxM3SparseAttention (same constructor and parameters)."""
 
-    def __init__(self, hidden_size: int = 6144, num_q_heads: int = 64, num_kv_heads: int = 4, head_dim: int = 128,
-                 index_head_dim: int = 128, rotary_dim: int = 64, rope_theta: float = 5e6, rms_norm_eps: float = 1e-6,
-                 init_blocks: int = 0, local_blocks: int = 1, topk: int = 16, block_size: int = 128,
+    def __init__(self, hidden_size: int = 6144, num_q_heads: int = 64, num_kv_heads: int = 4,
+                 head_dim: int = HEAD_DIM, index_head_dim: int = HEAD_DIM, rotary_dim: int = 64,
+                 rope_theta: float = 5e6, rms_norm_eps: float = 1e-6,
+                 init_blocks: int = 0, local_blocks: int = 1, topk: int = TOPK, block_size: int = BLOCK_SIZE,
                  device=None, dtype=None, **unused):
         super().__init__()
         self.num_q_heads, self.num_kv_heads, self.num_index_heads = num_q_heads, num_kv_heads, num_kv_heads
