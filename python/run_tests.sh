@@ -13,6 +13,8 @@ if [ "${MSA_PY_TORCH:-1}" != 0 ]; then
   # Plain PyPI has no CPU-only wheel of torch for Linux x86-64: this is the CUDA build (large
   # download, runs on the CPU where there is no GPU).
   "$py" -m pip install -q --disable-pip-version-check torch
+  # Pinned: the MiniMax-M3 model code the integration hooks into (tests/python/test_transformers.py).
+  "$py" -m pip install -q --disable-pip-version-check transformers==5.17.0
 fi
 if [ -z "${MSA_ENABLE_CUDA:-}" ]; then
   if command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then MSA_ENABLE_CUDA=AUTO; else MSA_ENABLE_CUDA=OFF; fi
