@@ -7,12 +7,14 @@
 #include "backend.h"
 #include "core/buffer_pack.h"
 #include "core/check.h"
+#include "core/dispatch.h"
 
 namespace msa {
 
 using detail::check_tensor;
 using detail::concat;
 using detail::Dim;
+using detail::dispatch;
 using detail::fail;
 using detail::require;
 
@@ -22,13 +24,6 @@ constexpr auto kBf16 = {DType::bf16};
 constexpr auto kFloatOut = {DType::bf16, DType::f32};
 
 bool on_cuda(const TensorView& t) { return t.device.is_cuda(); }
-
-#if !MSA_WITH_CUDA
-[[noreturn]] void no_cuda(const char* op) {
-  detail::unsupported(concat(op, ": the inputs are CUDA tensors but msa was built without the CUDA backend "
-                                 "(configure with -DMSA_ENABLE_CUDA=ON on a machine with nvcc)"));
-}
-#endif
 
 // Checks a top-k tensor's shape and, on the CPU, its contents against the layout: valid ids
 // form a prefix, are unique and lie in [0, local block of the query].
@@ -67,13 +62,13 @@ void check_plan_workspace(const Topology& topo, const PackedLayout& L, const Ten
                                 " (leave options.workspace empty)"));
   require(ws.rank == 1, concat("options.workspace must be 1-D, uint8 [n], got shape ", ws.shape_string()));
   check_tensor(ws, "options.workspace", {DType::u8}, {Dim(ws.shape[0], "n")}, dev);
-#if MSA_WITH_CUDA
-  const int64_t needed = cuda::plan_workspace_bytes(topo, L);
-  require(ws.shape[0] >= needed, concat("options.workspace must hold at least plan_workspace_bytes = ", needed,
-                                        " bytes for this layout, got ", ws.shape[0]));
-#else
-  (void)topo, (void)L;
-#endif
+  if constexpr (detail::kWithCuda) {  // without the backend, build_plan refuses CUDA inputs anyway
+    const int64_t needed = cuda::plan_workspace_bytes(topo, L);
+    require(ws.shape[0] >= needed, concat("options.workspace must hold at least plan_workspace_bytes = ", needed,
+                                          " bytes for this layout, got ", ws.shape[0]));
+  } else {
+    (void)topo, (void)L;
+  }
   require(reinterpret_cast<uintptr_t>(ws.data) % 256 == 0,
           concat("options.workspace must start at a 256-byte aligned address, got ", ws.data));
 }
@@ -92,25 +87,15 @@ void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBloc
     check_tensor(p.selected_lse, "selected_lse", {DType::f32}, {Dim(Hi, "Hi"), Dim(L.total_q(), "total_q")}, dev);
   require(std::isfinite(p.lse_temperature) && p.lse_temperature > 0,
           concat("lse_temperature must be finite and > 0, got ", p.lse_temperature));
-  if (on_cuda(p.index_q)) {
-#if MSA_WITH_CUDA
-    return cuda::select_blocks(topo, L, p, opt);
-#else
-    no_cuda("select_blocks");
-#endif
-  }
-  cpu::select_blocks(topo, L, p, opt);
+  dispatch(
+      "select_blocks", dev, [&] { cpu::select_blocks(topo, L, p, opt); },
+      [&] { cuda::select_blocks(topo, L, p, opt); });
 }
 
 int64_t plan_workspace_bytes(const Topology& topo, const PackedLayout& L, Device device) {
   topo.validate();
-  if (!device.is_cuda()) return 0;
-#if MSA_WITH_CUDA
-  return cuda::plan_workspace_bytes(topo, L);
-#else
-  (void)L;
-  no_cuda("plan_workspace_bytes");
-#endif
+  return dispatch(
+      "plan_workspace_bytes", device, [] { return int64_t(0); }, [&] { return cuda::plan_workspace_bytes(topo, L); });
 }
 
 SparsePlan build_plan(const Topology& topo, const PackedLayout& L, const TensorView& topk, const PlanOptions& options,
@@ -139,16 +124,9 @@ SparsePlan build_plan(const Topology& topo, const PackedLayout& L, const TensorV
   buffers.add(&plan.schedule, DType::i32, {capacity, 6});
   buffers.add(&plan.work_count_dev, DType::i32, {1});
   buffers.allocate(plan.device, on_cuda(topk) ? opt.stream : nullptr);  // CUDA buffers are used on opt.stream
-  if (on_cuda(topk)) {
-#if MSA_WITH_CUDA
-    cuda::build_plan(topo, L, topk, options.workspace, plan, opt);
-    return plan;
-#else
-    no_cuda("build_plan");
-#endif
-  }
-  (void)opt;
-  cpu::build_plan(topo, L, topk, plan);
+  dispatch(
+      "build_plan", plan.device, [&] { cpu::build_plan(topo, L, topk, plan); },
+      [&] { cuda::build_plan(topo, L, topk, options.workspace, plan, opt); });
   return plan;
 }
 
@@ -173,13 +151,10 @@ void sparse_attention_forward(const Topology& topo, const PackedLayout& L, const
     require(16 * L.total_q() * Hq < (int64_t(1) << 31),
             concat("sparse_attention_forward on CUDA handles total_q * Hq up to 2^27, got total_q ", L.total_q(),
                    " with Hq ", Hq));
-#if MSA_WITH_CUDA
-    return cuda::sparse_attention_forward(topo, L, plan, p, opt);
-#else
-    no_cuda("sparse_attention_forward");
-#endif
   }
-  cpu::sparse_attention_forward(topo, L, plan, p, opt);
+  dispatch(
+      "sparse_attention_forward", dev, [&] { cpu::sparse_attention_forward(topo, L, plan, p, opt); },
+      [&] { cuda::sparse_attention_forward(topo, L, plan, p, opt); });
 }
 
 void sparse_attention_backward(const Topology& topo, const PackedLayout& L, const SparsePlan& plan,
@@ -200,14 +175,9 @@ void sparse_attention_backward(const Topology& topo, const PackedLayout& L, cons
   check_tensor(p.dk, "dk", kFloatOut, {Tk, Dim(Hkv, "Hkv"), Dim(D)}, dev);
   check_tensor(p.dv, "dv", kFloatOut, {Tk, Dim(Hkv, "Hkv"), Dim(D)}, dev);
   check_plan(plan, L, topo, dev);
-  if (on_cuda(p.q)) {
-#if MSA_WITH_CUDA
-    return cuda::sparse_attention_backward(topo, L, plan, p, opt);
-#else
-    no_cuda("sparse_attention_backward");
-#endif
-  }
-  cpu::sparse_attention_backward(topo, L, plan, p, opt);
+  dispatch(
+      "sparse_attention_backward", dev, [&] { cpu::sparse_attention_backward(topo, L, plan, p, opt); },
+      [&] { cuda::sparse_attention_backward(topo, L, plan, p, opt); });
 }
 
 void kl_backward(const Topology& topo, const PackedLayout& L, const SparsePlan& plan, const KlBackwardParams& p,
@@ -230,14 +200,9 @@ void kl_backward(const Topology& topo, const PackedLayout& L, const SparsePlan& 
   require(std::isfinite(p.grad_scale) && p.grad_scale >= 0,
           concat("grad_scale must be finite and >= 0 (0 = 1 / (Hi * total_q)), got ", p.grad_scale));
   check_plan(plan, L, topo, dev);
-  if (on_cuda(p.q)) {
-#if MSA_WITH_CUDA
-    return cuda::kl_backward(topo, L, plan, p, opt);
-#else
-    no_cuda("kl_backward");
-#endif
-  }
-  cpu::kl_backward(topo, L, plan, p, opt);
+  dispatch(
+      "kl_backward", dev, [&] { cpu::kl_backward(topo, L, plan, p, opt); },
+      [&] { cuda::kl_backward(topo, L, plan, p, opt); });
 }
 
 void merge_states(const MergeStatesParams& p, const RunOptions& opt) {
@@ -251,14 +216,7 @@ void merge_states(const MergeStatesParams& p, const RunOptions& opt) {
   check_tensor(p.lse_partials, "lse_partials", {DType::f32}, {Dim(S, "S"), Dim(R, "rows"), Dim(H, "H")}, dev);
   check_tensor(p.out, "out", kFloatOut, {Dim(R, "rows"), Dim(H, "H"), Dim(D, "D")}, dev);
   check_tensor(p.lse, "lse", {DType::f32}, {Dim(R, "rows"), Dim(H, "H")}, dev);
-  if (on_cuda(p.out_partials)) {
-#if MSA_WITH_CUDA
-    return cuda::merge_states(p, opt);
-#else
-    no_cuda("merge_states");
-#endif
-  }
-  cpu::merge_states(p, opt);
+  dispatch("merge_states", dev, [&] { cpu::merge_states(p, opt); }, [&] { cuda::merge_states(p, opt); });
 }
 
 }  // namespace msa
