@@ -190,15 +190,16 @@ def _build_layout(padding, position_ids, has_cache, filled, batch, q_len, k_len,
             if q0 >= e:
                 continue
             if pos is not None:
-                want = np.arange(q0, e) - a
+                # RoPE is relative: a constant offset of a document's positions (e.g. slot positions
+                # under left padding) changes nothing; a jump inside it is a document msa cannot see.
                 got = pos[b, q0 - past:e - past]
-                if not np.array_equal(got, want):
+                jumps = np.flatnonzero(np.diff(got) != 1)
+                if len(jumps):
+                    i = q0 + int(jumps[0]) + 1
                     raise _error(
-                        f"msa: position_ids of row {b} (slots {q0}..{e - 1}) are {got[:4].tolist()}... but msa places "
-                        f"these tokens at positions {want[:4].tolist()}... (counted from the row's first real token"
-                        + (", restarting where a packed document starts" if packing else "") +
-                        "). Packed sequences (position_ids restarting) need attention_mask=None and no cache "
-                        "(use_cache=False), as transformers' own masks separate them only then")
+                        f"msa: position_ids of row {b} jump from {got[jumps[0]]} to {got[jumps[0] + 1]} at slot {i} "
+                        f"inside one sequence; packed sequences (position_ids restarting) need attention_mask=None "
+                        f"and no cache (use_cache=False), as transformers' own masks separate them only then")
             cu_q.append(cu_q[-1] + e - q0)
             cu_k.append(cu_k[-1] + e - a)
             qr.append(np.full(e - q0, b))
