@@ -181,27 +181,37 @@ void sparse_attention_backward(const Topology& topo, const PackedLayout& L, cons
                           P.data(), kBlock);
               gemm<false>(rows, kBlock, kDim, dout_step.data(), kDim, 1, values_t.data() + stored * kBlockElems, kBlock,
                           dS.data(), kBlock);
+              // Masked keys (past the causal limit) and rows without keys get P = dS = 0 by
+              // assignment: S and dP there may be NaN (a NaN key or value the row does not see).
+              int visible[kStepQueries];
               for (int i = 0; i < nq; ++i) {
                 const int64_t pos = d.k_len - d.q_len + q_indices[e + i];
-                const int visible = visible_keys(int32_t(j), pos);
+                visible[i] = visible_keys(int32_t(j), pos);
                 const int64_t head0 = (d.q_start + q_indices[e + i]) * Hq + int64_t(g) * kGroup;
                 for (int h = 0; h < kGroup; ++h) {
                   float* pr = P.data() + (i * kGroup + h) * kBlock;
                   float* dsr = dS.data() + (i * kGroup + h) * kBlock;
                   const float l = lse[head0 + h], D = Dsum[size_t(head0 + h)];
+                  if (l == kNegInf) {
+                    std::fill(pr, pr + kBlock, 0.0f);
+                    std::fill(dsr, dsr + kBlock, 0.0f);
+                    continue;
+                  }
                   for (int k = 0; k < kBlock; k += kLanes) {
-                    const f32x16 prob = l == kNegInf ? f32x16{} : vexp(vload(pr + k) * scale - l);
+                    const f32x16 prob = vexp(vload(pr + k) * scale - l);
                     vstore(pr + k, prob);
                     vstore(dsr + k, prob * (vload(dsr + k) - D));
                   }
-                  for (int k = visible; k < kBlock; ++k) pr[k] = dsr[k] = 0.0f;
+                  std::fill(pr + visible[i], pr + kBlock, 0.0f);
+                  std::fill(dsr + visible[i], dsr + kBlock, 0.0f);
                 }
               }
               const bool first = e == chunk.begin;
               (first ? gemm<false> : gemm<true>)(kBlock, kDim, rows, P.data(), 1, kBlock, dout_step.data(), kDim, dv, kDim);
               (first ? gemm<false> : gemm<true>)(kBlock, kDim, rows, dS.data(), 1, kBlock, q_step.data(), kDim, dk, kDim);
+              // dq sums over the visible keys only: 0 times a masked key's NaN would be NaN.
               for (int i = 0; i < nq; ++i)
-                gemm<true>(kGroup, kDim, kBlock, dS.data() + i * kGroup * kBlock, kBlock, 1,
+                gemm<true>(kGroup, kDim, visible[i], dS.data() + i * kGroup * kBlock, kBlock, 1,
                            keys.data() + stored * kBlockElems, kDim, dq.data() + (d.q_start + q_indices[e + i]) * kGroup * kDim,
                            kDim);
             }

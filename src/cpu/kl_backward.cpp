@@ -76,9 +76,14 @@ void kl_backward(const Topology& topo, const PackedLayout& L, const SparsePlan& 
                           S.data(), kBlock);
               gemm<false>(nq, kBlock, kDim, iq_chunk.data(), kDim, 1, index_keys_t.data() + stored * kBlockElems, kBlock,
                           ds.data(), kBlock);
+              // ds = 0 past the causal limit by assignment (the teacher and student may be NaN
+              // there: a NaN key the row does not see).
+              int visible[kChunkQueries];
+              bool all_visible = true;
               for (int i = 0; i < nq; ++i) {
                 const int64_t row = d.q_start + q_indices[e + i];
-                const int visible = visible_keys(int32_t(t.block), d.k_len - d.q_len + q_indices[e + i]);
+                visible[i] = visible_keys(int32_t(t.block), d.k_len - d.q_len + q_indices[e + i]);
+                all_visible &= visible[i] == kBlock;
                 f32x16 teacher[kBlock / kLanes] = {};
                 for (int h = 0; h < kGroup; ++h) {
                   const float l = lse[row * Hq + int64_t(g) * kGroup + h];
@@ -92,11 +97,18 @@ void kl_backward(const Topology& topo, const PackedLayout& L, const SparsePlan& 
                   const f32x16 student = il == kNegInf ? f32x16{} : vexp(vload(dsr + c * kLanes) * index_scale - il);
                   vstore(dsr + c * kLanes, (student - teacher[c] * (1.0f / kGroup)) * grad_scale);
                 }
-                std::fill(dsr + visible, dsr + kBlock, 0.0f);
+                std::fill(dsr + visible[i], dsr + kBlock, 0.0f);
               }
-              // This edge's d index_q: ds . ki (index_scale applied when the slots are summed).
-              gemm<false>(nq, kDim, kBlock, ds.data(), kBlock, 1, index_keys.data() + stored * kBlockElems, kDim,
-                          dq_part.data(), kDim);
+              // This edge's d index_q: ds . ki over the visible keys only (0 times a masked
+              // key's NaN would be NaN); index_scale is applied when the slots are summed.
+              const float* ki = index_keys.data() + stored * kBlockElems;
+              if (all_visible) {
+                gemm<false>(nq, kDim, kBlock, ds.data(), kBlock, 1, ki, kDim, dq_part.data(), kDim);
+              } else {
+                for (int i = 0; i < nq; ++i)
+                  gemm<false>(1, kDim, visible[i], ds.data() + i * kBlock, kBlock, 1, ki, kDim,
+                              dq_part.data() + i * kDim, kDim);
+              }
               for (int i = 0; i < nq; ++i) {
                 const int64_t row = d.q_start + q_indices[e + i];
                 std::copy(dq_part.data() + i * kDim, dq_part.data() + (i + 1) * kDim,

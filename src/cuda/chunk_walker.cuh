@@ -1,0 +1,219 @@
+// The loop that the attention backward and the KL backward share: a CTA walks the plan's
+// chunk list (msa::WorkItem records of up to kChunkQueries queries of one (KV head, key
+// block) row). Per chunk it loads the key block, walks the chunk's queries kSubQueries at a
+// time (warp w loads query w of the sub-chunk and writes its QueryMeta), hands each
+// sub-chunk to the kernel's body, and lets the kernel flush what it accumulated.
+//
+// A kernel is a struct with
+//   load_block(chunk)                      cp.async of the key block into shared memory
+//   load_queries(chunk, query, stage)      cp.async of one warp's query into a stage
+//   begin_chunk(chunk)                     zero the chunk's accumulators
+//   masked_block_ready(chunk)              when the chunk masks keys: the key block is visible
+//   sub_chunk(chunk, stage, meta, release) the algorithm; calls release() exactly once,
+//                                          after a barrier that follows its last read of
+//                                          the stage's query tiles
+//   flush(chunk)                           write the chunk's accumulators
+// With kStages == 1 release() refills the only stage with the next sub-chunk; with
+// kStages == 2 the next sub-chunk is already loading into the other stage and release()
+// refills this one with the sub-chunk after it.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "cuda/common.cuh"
+#include "cuda/device.cuh"
+#include "cuda/wgmma.cuh"  // fence_proxy_async
+#include "msa/constants.h"
+#include "plan_records.h"
+
+namespace msa::cuda {
+
+inline constexpr int kWalkerWarps = 8;                         // one query of a sub-chunk per warp
+inline constexpr int kWalkerThreads = kWalkerWarps * 32;
+inline constexpr int kSubQueries = kWalkerWarps;               // queries per sub-chunk
+inline constexpr int kSubRows = kSubQueries * model::kGroupSize;  // (query, head) rows of a sub-chunk
+
+// The swizzled tiles of device.cuh hold rows of exactly 128 bf16.
+static_assert(model::kHeadDim == 128 && model::kBlockSize == 128, "tiles are rows of 128 bf16");
+inline constexpr int kTileRowBytes = model::kHeadDim * 2;
+
+// A swizzled tile of kRows rows (device.cuh tile_offset); 1024-byte aligned as wgmma needs.
+template <int kRows>
+struct alignas(1024) SwizzledTile {
+  static constexpr int kRowCount = kRows;
+  unsigned char bytes[kRows * kTileRowBytes];
+};
+using BlockTile = SwizzledTile<model::kBlockSize>;  // a key block, or the kSubRows rows of a sub-chunk
+static_assert(kSubRows == model::kBlockSize, "a sub-chunk's rows fill one block-sized tile");
+
+// What a sub-chunk slot holds, written by lane 0 of the warp that loads the query.
+struct QueryMeta {
+  int32_t row;    // packed query row; -1 when the slot holds no query
+  int32_t slot;   // the edge's partial slot (split_slot): its place in the query's fixed-order sum
+  int32_t limit;  // last key of the block the query sees (causal); later keys are masked
+  int32_t unused;
+};
+
+// The plan's chunk list as the kernels read it.
+struct ChunkList {
+  const WorkItem* items;      // [capacity]
+  const int32_t* count;       // [1] items in use
+  const int32_t* q_indices;   // [Hkv, total_q * kTopk] document-local query of each edge
+  const int32_t* split_slot;  // [Hkv, total_q * kTopk]
+  const DocInfo* docs;
+  const int32_t* status;      // nonzero: invalid plan, the kernels do nothing
+  int64_t total_q;
+};
+
+inline ChunkList chunk_list(const SparsePlan& plan, const PlanState& st, int64_t total_q) {
+  return {reinterpret_cast<const WorkItem*>(st.chunks.data()), i32(st.chunk_count), i32(plan.q_indices),
+          i32(plan.split_slot), doc_ptr(st), i32(plan.status), total_q};
+}
+
+// One chunk as the kernels see it.
+struct Chunk {
+  int index;        // place in the chunk list (its slot for per-chunk partials)
+  int head_kv;
+  DocInfo doc;
+  int key0;         // first key of the block, document-local
+  int nkeys;        // keys of the block inside the document (tile rows past it are zero)
+  int64_t edge0;    // first edge of the chunk in q_indices / split_slot
+  int q_count;
+  int nsub;         // sub-chunks
+  bool masked;      // some query of the chunk masks keys of the block (the causal diagonal)
+
+  __device__ __forceinline__ int64_t key_token(int key) const { return int64_t(doc.k_start) + key0 + key; }
+};
+
+__device__ __forceinline__ Chunk open_chunk(const ChunkList& list, int c) {
+  const WorkItem it = list.items[c];
+  Chunk ch;
+  ch.index = c;
+  ch.head_kv = it.head_kv;
+  ch.doc = list.docs[it.document];
+  ch.key0 = it.kv_block * model::kBlockSize;
+  ch.nkeys = min(model::kBlockSize, ch.doc.k_len - ch.key0);
+  ch.edge0 = int64_t(it.head_kv) * list.total_q * model::kTopk + it.q_begin;
+  ch.q_count = it.q_count;
+  ch.nsub = (it.q_count + kSubQueries - 1) / kSubQueries;
+  // Queries are ascending within a row: the first one sees the fewest keys.
+  ch.masked = ch.doc.k_len - ch.doc.q_len + list.q_indices[ch.edge0] - ch.key0 < ch.nkeys - 1;
+  return ch;
+}
+
+// The query a warp loads: its packed row (0 for an empty slot, so that the caller's loads
+// stay in bounds; they zero-fill) and whether the slot holds one.
+struct SlotQuery {
+  int row;
+  bool valid;
+};
+
+// Query qi of the chunk: writes its QueryMeta (lane 0) and returns it for the loads.
+__device__ __forceinline__ SlotQuery chunk_query(const ChunkList& list, const Chunk& ch, int qi, QueryMeta& meta,
+                                                 int lane) {
+  SlotQuery q{0, qi < ch.q_count};
+  if (q.valid) {
+    const int ql = list.q_indices[ch.edge0 + qi];
+    q.row = ch.doc.q_start + ql;
+    if (lane == 0) {
+      meta.row = q.row;
+      meta.slot = list.split_slot[ch.edge0 + qi];
+      meta.limit = ch.doc.k_len - ch.doc.q_len + ql - ch.key0;
+    }
+  } else if (lane == 0) {
+    meta.row = -1;
+  }
+  return q;
+}
+
+template <int kStages, class Kernel>
+__device__ __forceinline__ void walk_chunks(const ChunkList& list, QueryMeta (&meta)[kStages][kWalkerWarps],
+                                            Kernel& kernel) {
+  static_assert(kStages == 1 || kStages == 2, "one stage refilled mid-body, or two alternating");
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int nchunks = *list.count;
+  for (int c = blockIdx.x; c < nchunks; c += gridDim.x) {
+    const Chunk ch = open_chunk(list, c);
+    auto load_queries = [&](int sub) {
+      const int stage = sub % kStages;
+      kernel.load_queries(ch, chunk_query(list, ch, sub * kSubQueries + warp, meta[stage][warp], lane), stage);
+    };
+    kernel.load_block(ch);
+    load_queries(0);
+    cp_async_commit();
+    if constexpr (kStages == 2) {
+      if (ch.nsub > 1) load_queries(1);
+      cp_async_commit();
+    }
+    kernel.begin_chunk(ch);
+    if (ch.masked) {  // CTA-uniform: waits for the key block ahead of the first sub-chunk
+      cp_async_wait<kStages - 1>();
+      fence_proxy_async();
+      __syncthreads();
+      kernel.masked_block_ready(ch);
+    }
+    int sub = 0;
+    do {  // a chunk holds at least one query
+      cp_async_wait<kStages - 1>();  // this sub-chunk's group (and the key block with the first)
+      fence_proxy_async();
+      __syncthreads();
+      const int stage = sub % kStages;
+      kernel.sub_chunk(ch, stage, meta[stage], [&] {
+        if (sub + kStages < ch.nsub) load_queries(sub + kStages);
+        cp_async_commit();  // one group per sub-chunk, empty or not, keeps the wait counts right
+      });
+    } while (++sub < ch.nsub);
+    kernel.flush(ch);
+    __syncthreads();  // the next chunk's loads overwrite tiles the last sub-chunk read
+  }
+}
+
+// 2-bf16 word with its non-finite halves (exponent all ones: Inf or NaN) replaced by 0.
+__device__ __forceinline__ uint32_t finite_bf16x2(uint32_t w) {
+  const uint32_t lo = (w & 0x7F80u) == 0x7F80u ? 0u : 0xFFFFu;
+  const uint32_t hi = (w & 0x7F800000u) == 0x7F800000u ? 0u : 0xFFFF0000u;
+  return w & (lo | hi);
+}
+
+// Products that sum over the keys of a block (dQ = dS K, d index_q = ds index_K) run on
+// tensor cores, where a masked key's 0 times a non-finite key would still give NaN. When a
+// chunk masks keys and the block holds a non-finite value, this writes `src` with those
+// values zeroed into `dst` and returns true (CTA-uniform; every thread must call it); the
+// rows that do attend such a key get NaN through their scores anyway. Ends with the writes
+// fenced for wgmma; the caller's next barrier publishes them.
+template <int kRows>
+__device__ __forceinline__ bool finite_copy(uint32_t src, uint32_t dst) {
+  constexpr int kChunks = kRows * kTileRowBytes / 16;
+  bool bad = false;
+  for (int i = threadIdx.x; i < kChunks; i += kWalkerThreads) {
+    const uint4 v = ld_shared_v4(src + 16 * i);
+    bad |= finite_bf16x2(v.x) != v.x || finite_bf16x2(v.y) != v.y || finite_bf16x2(v.z) != v.z ||
+           finite_bf16x2(v.w) != v.w;
+  }
+  if (!__syncthreads_or(bad)) return false;
+  for (int i = threadIdx.x; i < kChunks; i += kWalkerThreads) {
+    const uint4 v = ld_shared_v4(src + 16 * i);
+    asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(dst + 16 * i), "r"(finite_bf16x2(v.x)),
+                 "r"(finite_bf16x2(v.y)), "r"(finite_bf16x2(v.z)), "r"(finite_bf16x2(v.w))
+                 : "memory");
+  }
+  fence_proxy_async();
+  return true;
+}
+
+// The kernel's shared storage at the first 1024-byte boundary of dynamic shared memory.
+inline constexpr int kSmemAlignSlack = 1024;
+inline constexpr int kMaxSmemBytes = 227 * 1024;  // opt-in limit per CTA on sm_90
+template <class Storage>
+__device__ __forceinline__ Storage& shared_storage(unsigned char* smem) {
+  return *reinterpret_cast<Storage*>(smem + (align1024(smem_addr(smem)) - smem_addr(smem)));
+}
+template <class Storage>
+constexpr int storage_smem_bytes() {
+  static_assert(sizeof(Storage) + kSmemAlignSlack <= kMaxSmemBytes, "shared storage over the sm_90 limit");
+  return int(sizeof(Storage)) + kSmemAlignSlack;
+}
+
+}  // namespace msa::cuda
