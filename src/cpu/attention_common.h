@@ -10,12 +10,13 @@
 
 #include "cpu/key_blocks.h"
 #include "cpu/simd.h"
+#include "msa/constants.h"
 #include "msa/layout.h"
 #include "msa/ops.h"
 
 namespace msa::cpu {
 
-inline constexpr int kGroup = 16;  // query heads per kv head
+inline constexpr int kGroup = model::kGroupSize;  // query heads per kv head
 inline constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 struct QueryPlace {

@@ -1,6 +1,8 @@
 // Sparse attention forward, query-outer: each task is one query row and one kv group, whose
 // 16 heads share the K/V blocks the group selected. Scores of all selected blocks are kept
-// (16 x 2048 fp32), so the softmax is exact two-pass and O = P . V accumulates in place.
+// (16 x 2048 fp32), so the softmax is exact two-pass and O = P . V accumulates in place. Keys
+// a row does not attend to (unselected blocks, keys past its causal position) are never
+// read into its result, so non-finite values there leave it unchanged.
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -65,9 +67,12 @@ void sparse_attention_forward(const Topology& topo, const PackedLayout& L, const
           inv_sum[h] = 1.0f / l;
           lse[head0 + h] = mx + std::log(l);
         }
+        // O = P V over the visible keys of each block only: a masked key's P is 0, but
+        // 0 * (NaN or inf in its value row) would still reach the row (non-finite isolation).
         for (int s = 0; s < n; ++s)
-          (s == 0 ? gemm<false> : gemm<true>)(kGroup, kDim, kBlock, S.data() + s * kBlock, ld, 1,
-                                              values.data() + (doc_block + blocks[s]) * kBlockElems, kDim, o.data(), kDim);
+          (s == 0 ? gemm<false> : gemm<true>)(kGroup, kDim, visible_keys(blocks[s], at.pos), S.data() + s * kBlock, ld,
+                                              1, values.data() + (doc_block + blocks[s]) * kBlockElems, kDim, o.data(),
+                                              kDim);
         for (int h = 0; h < kGroup; ++h) {
           float* r = o.data() + h * kDim;
           for (int c = 0; c < kDim; c += kLanes) vstore(r + c, vload(r + c) * inv_sum[h]);

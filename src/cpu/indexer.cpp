@@ -10,6 +10,7 @@
 #include <limits>
 #include <vector>
 
+#include "attention_state.h"
 #include "backend.h"
 #include "cpu/common.h"
 #include "cpu/key_blocks.h"
@@ -133,25 +134,14 @@ void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBloc
         for (int64_t j = 0; j < nvis; ++j) lane_score[size_t(j)] = block_score[size_t(j * kTileVectors + v)];
         select_row(lane_score.data(), nvis, topo, out, ranked.data());
         if (want_lse) {
-          // LSE of the selected blocks from their (top, sum) pairs.
-          float m = kNegInf;
-          bool nan = false;
+          // LSE of the selected blocks from their (top, sum) pairs, with the IEEE rules of
+          // src/attention_state.h (NaN wins, then +inf; -inf when nothing is selected).
+          LogSumExp acc;
           for (int s = 0; s < K && out[s] >= 0; ++s) {
-            const float top = block_top[size_t(out[s]) * kTileVectors + size_t(v)];
-            nan |= std::isnan(top);
-            m = std::max(m, top);
+            const size_t at = size_t(out[s]) * kTileVectors + size_t(v);
+            acc.add(block_top[at], block_sum[at]);
           }
-          float lse = m;
-          if (nan) {
-            lse = std::numeric_limits<float>::quiet_NaN();
-          } else if (std::isfinite(m)) {
-            float total = 0;
-            for (int s = 0; s < K && out[s] >= 0; ++s) {
-              const size_t at = size_t(out[s]) * kTileVectors + size_t(v);
-              total += block_sum[at] * std::exp(block_top[at] - m);
-            }
-            lse = m + std::log(total);
-          }
+          const float lse = acc.result();
           sel_lse[int64_t(g) * total_q + row] = lse;
         }
       }

@@ -9,12 +9,13 @@
 #include <vector>
 
 #include "cpu/common.h"
+#include "msa/constants.h"
 #include "msa/layout.h"
 
 namespace msa::cpu {
 
-inline constexpr int kBlock = 128;  // tokens per sparse block
-inline constexpr int kDim = 128;    // head dim of q / k / v and of the index vectors
+inline constexpr int kBlock = model::kBlockSize;  // tokens per sparse block
+inline constexpr int kDim = model::kHeadDim;       // head dim of q / k / v and of the index vectors
 inline constexpr int64_t kBlockElems = int64_t(kBlock) * kDim;
 
 struct KeyBlocks {

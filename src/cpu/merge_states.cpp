@@ -3,6 +3,7 @@
 #include <limits>
 #include <vector>
 
+#include "attention_state.h"
 #include "backend.h"
 #include "cpu/common.h"
 
@@ -22,27 +23,25 @@ void merge_states(const MergeStatesParams& p, const RunOptions& opt) {
     if (row.size() < size_t(D)) row.resize(size_t(D));
 #pragma omp for schedule(static)
     for (int64_t rh = 0; rh < R * H; ++rh) {
-      float m = -std::numeric_limits<float>::infinity();
-      for (int64_t s = 0; s < S; ++s) m = std::max(m, lse_in[s * R * H + rh]);
+      // Max, then sums, then the values weighted against the max when the row is valid
+      // (src/attention_state.h's rules: empty or NaN partials are skipped, a row that is not
+      // valid gives zeros and -inf).
+      SoftmaxState state = SoftmaxState::empty();
+      for (int64_t s = 0; s < S; ++s) state.m = state_math::max(state.m, SoftmaxState::from_lse(lse_in[s * R * H + rh]).m);
+      for (int64_t s = 0; s < S; ++s) state.add_at_max(SoftmaxState::from_lse(lse_in[s * R * H + rh]));
       std::fill_n(acc.begin(), D, 0.0f);
-      float z = 0;
-      if (std::isfinite(m)) {
+      if (state.valid()) {
         for (int64_t s = 0; s < S; ++s) {
-          const float l = lse_in[s * R * H + rh];
-          if (!(l > -std::numeric_limits<float>::infinity())) continue;  // empty partial (or NaN)
-          const float w = std::exp(l - m);
-          z += w;
+          const SoftmaxState part = SoftmaxState::from_lse(lse_in[s * R * H + rh]);
+          if (!(part.m > -std::numeric_limits<float>::infinity())) continue;  // empty partial
+          const float w = part.weight(state.m);
           load_row(p.out_partials, (s * R * H + rh) * D, int(D), row.data());
           for (int64_t d = 0; d < D; ++d) acc[size_t(d)] += w * row[size_t(d)];
         }
+        const float inv = state.inverse_sum();
+        for (int64_t d = 0; d < D; ++d) acc[size_t(d)] *= inv;
       }
-      if (z > 0 && std::isfinite(z)) {
-        for (int64_t d = 0; d < D; ++d) acc[size_t(d)] /= z;
-        lse_out[rh] = m + std::log(z);
-      } else {
-        std::fill_n(acc.begin(), D, 0.0f);
-        lse_out[rh] = -std::numeric_limits<float>::infinity();
-      }
+      lse_out[rh] = state.lse();
       store_row(p.out, rh * D, int(D), acc.data());
     }
   }

@@ -5,6 +5,7 @@
 
 #include "backend.h"
 #include "cpu/common.h"
+#include "plan_records.h"
 
 namespace msa::cpu {
 
@@ -19,8 +20,8 @@ void build_plan(const Topology& topo, const PackedLayout& L, const TensorView& t
   auto* q_indices = static_cast<int32_t*>(plan.q_indices.data());      // [Hkv, edges]
   auto* split_slot = static_cast<int32_t*>(plan.split_slot.data());    // [Hkv, edges]
   auto* split_counts = static_cast<int32_t*>(plan.split_counts.data());  // [total_q, Hkv]
-  auto* schedule = static_cast<int32_t*>(plan.schedule.data());        // [capacity, 6]
-  const int64_t capacity = plan.schedule.bytes() / int64_t(6 * sizeof(int32_t));
+  auto* schedule = static_cast<WorkItem*>(plan.schedule.data());       // [capacity] work items
+  const int64_t capacity = plan.schedule.bytes() / int64_t(sizeof(WorkItem));
   const auto* ids = topk.as<const int32_t>();                          // [Hkv, total_q, K]
 
   // Row numbering: every document's block 0, then every block 1, ... (documents in order).
@@ -109,17 +110,17 @@ void build_plan(const Topology& topo, const PackedLayout& L, const TensorView& t
     for (int64_t r = 0; r < total_rows; ++r) {
       for (int64_t begin = ptr[r]; begin < ptr[r + 1]; begin += q_per_cta) {
         const int count = int(std::min<int64_t>(q_per_cta, ptr[r + 1] - begin));
-        int32_t* e = schedule + 6 * next[size_t(count)]++;
-        e[0] = h;
-        e[1] = int32_t(r);
-        e[2] = int32_t(begin);
-        e[3] = count;
-        e[4] = rows[2 * r];
-        e[5] = rows[2 * r + 1];
+        schedule[next[size_t(count)]++] = WorkItem{.head_kv = h,
+                                                   .row = int32_t(r),
+                                                   .q_begin = int32_t(begin),
+                                                   .q_count = count,
+                                                   .document = rows[2 * r],
+                                                   .kv_block = rows[2 * r + 1]};
       }
     }
   }
-  std::fill(schedule + 6 * work, schedule + 6 * capacity, -1);
+  constexpr WorkItem kUnused{-1, -1, -1, -1, -1, -1};  // entries past work_count
+  std::fill(schedule + work, schedule + capacity, kUnused);
   plan.work_count = work;
   *static_cast<int32_t*>(plan.work_count_dev.data()) = int32_t(work);
 }

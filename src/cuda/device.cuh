@@ -210,6 +210,16 @@ __device__ __forceinline__ void bulk_wait_read() {
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
+// The same barrier that also returns whether `pred` holds in any of the threads.
+__device__ __forceinline__ bool named_barrier_or(int id, int threads, bool pred) {
+  uint32_t any;
+  asm volatile(
+      "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, %2, %3, p;\nselp.u32 %0, 1, 0, q;\n}\n"
+      : "=r"(any)
+      : "r"(uint32_t(pred)), "r"(id), "r"(threads)
+      : "memory");
+  return any != 0;
+}
 
 // Moves registers between the warpgroups of a CTA (sm_90a): a warpgroup gives back down to N
 // per thread, or waits until it can take up to N.
@@ -235,5 +245,8 @@ __device__ __forceinline__ float warp_sum4(float v) {
 }
 
 __device__ __forceinline__ float bf16_bits_to_float(uint16_t h) { return __uint_as_float(uint32_t(h) << 16); }
+
+// 0xffff in each bf16 half of `w` that is an infinity or a NaN (exponent all ones), else 0.
+__device__ __forceinline__ uint32_t nonfinite_bf16x2(uint32_t w) { return __vcmpeq2(w & 0x7f807f80u, 0x7f807f80u); }
 
 }  // namespace msa::cuda

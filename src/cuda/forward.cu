@@ -13,9 +13,19 @@
 // shared-memory stages with TMA (mbarrier hand-off), so the two computing warpgroups
 // never wait on metadata loads; it gives most of its registers to them (setmaxnreg), which
 // lets each computing warpgroup issue S of the next task before the current task's epilogue.
+//
+// Non-finite isolation: a key a row does not attend to never changes it. Masked scores are
+// set to -inf by selection; inf / NaN values in V are kept out of the shared V^T tile and
+// added back only to the rows that see their keys (load_key_block).
+#include <cstddef>
+
+#include "attention_state.h"
 #include "backend.h"
+#include "msa/constants.h"
+#include "plan_records.h"
 #include "cuda/common.cuh"
 #include "cuda/device.cuh"
+#include "cuda/named_barriers.cuh"
 #include "cuda/tensor_map.h"
 #include "cuda/wgmma.cuh"
 #include "cuda/workspace.h"
@@ -23,27 +33,114 @@
 namespace msa::cuda {
 namespace {
 
+// The model's sizes as the kernel's tiles see them.
+constexpr int kBlock = model::kBlockSize;  // keys of a block: rows of the K tile, columns of S
+constexpr int kDim = model::kHeadDim;      // head dim: columns of the Q / K tiles and of O
+constexpr int kGroup = model::kGroupSize;  // heads of a query: the 16 rows a warp owns in m64 tiles
+constexpr int kSlots = model::kTopk;       // partial slots (selected blocks) per (query, head)
+
 constexpr int kConsumerWarps = 8;
 constexpr int kConsumers = kConsumerWarps * 32;
 constexpr int kProducerWarps = 4;         // one warpgroup: 12 warps cost no registers over 9
-constexpr int kQueriesPerProducer = kConsumerWarps / kProducerWarps;
+constexpr int kQueriesPerTask = kConsumerWarps;  // one query per consumer warp
+constexpr int kQueriesPerProducer = kQueriesPerTask / kProducerWarps;
 constexpr int kThreads = kConsumers + 32 * kProducerWarps;
-constexpr int kTileBytes = 128 * 256;      // 128 rows of 128 bf16
 constexpr int kQStages = 4;                // Q tiles in flight (query w: rows 16w..16w+15)
-constexpr int kMetaInts = 4 * kConsumerWarps + 4;  // per query: row, slot, key limit, head; task: head, doc, block
-constexpr int kSmemBytes = (2 + kQStages) * kTileBytes + kQStages * kMetaInts * 4 + 2 * kQStages * 8 + 1024;
-constexpr int kKvBarrier = 3;
+
+// Tile geometry: 128 rows of 128 bf16, stored as two 64-column boxes (the 128-byte swizzle
+// atom of TMA and wgmma), so a row is 128 bytes within a box.
+constexpr int kTileRows = 128;
+constexpr int kBoxRowBytes = 128;                   // 64 bf16
+constexpr int kBoxBytes = kTileRows * kBoxRowBytes;  // one 64-column half of a tile
+constexpr int kTileBytes = 2 * kBoxBytes;
+constexpr int kRowBytes = kDim * 2;                 // one Q / K / V row in global memory
+constexpr int kRowChunks = kRowBytes / 16;          // 16-byte (8 bf16) chunks of a row
+static_assert(kBlock == kTileRows && kDim == kTileRows, "the K, V^T and S tiles are 128 x 128");
+static_assert(kQueriesPerTask * kGroup == kTileRows, "a Q stage holds the 16 head rows of 8 queries");
+static_assert(kDim * 2 == 2 * kBoxRowBytes, "a row is two 64-column boxes");
+// MMA fragment geometry (m64nNk16 wgmma, mma.sync C layout per warp).
+constexpr int kNFrags = kTileRows / 8;  // n8 column fragments of an S or O row block
+constexpr int kKSteps = kTileRows / 16;  // k16 steps of a product over 128
+
 // Register budgets per thread after the split (65536 per SM): the producers need few, the
 // consumers hold S of the next task, O and P of the current one at once.
 constexpr int kProducerRegs = 40;
 constexpr int kConsumerRegs = 232;
-static_assert(kProducerRegs * 32 * kProducerWarps + kConsumerRegs * kConsumers <= 65536);              // named barrier of the consumers (1, 2: warpgroups)
+static_assert(kProducerRegs * 32 * kProducerWarps + kConsumerRegs * kConsumers <= 65536);
+
+// What a consumer warp needs about its query of a task (written by the producers into the
+// task's metadata stage; one 16-byte vector).
+struct alignas(16) QueryMeta {
+  int32_t row;      // packed query row; -1: absent (the task has fewer queries)
+  int32_t slot;     // partial slot of the (query, block) edge
+  int32_t limit;    // last key of the block the query sees (>= kBlock - 1: all of them)
+  int32_t head_kv;  // KV head of the task
+};
+// The key block of a task.
+struct alignas(16) TaskBlock {
+  int32_t head_kv, document, kv_block, unused;
+  __device__ bool same(const TaskBlock& o) const {
+    return head_kv == o.head_kv && document == o.document && kv_block == o.kv_block;
+  }
+};
+struct alignas(16) MetaStage {
+  QueryMeta query[kQueriesPerTask];
+  TaskBlock block;
+};
+static_assert(sizeof(QueryMeta) == sizeof(int4) && sizeof(TaskBlock) == sizeof(int4));
+
+__device__ __forceinline__ void store_meta(QueryMeta* dst, const QueryMeta& m) {
+  *reinterpret_cast<int4*>(dst) = make_int4(m.row, m.slot, m.limit, m.head_kv);
+}
+__device__ __forceinline__ QueryMeta load_meta(const QueryMeta* src) {
+  const int4 v = *reinterpret_cast<const int4*>(src);
+  return {v.x, v.y, v.z, v.w};
+}
+__device__ __forceinline__ void store_block(TaskBlock* dst, const TaskBlock& b) {
+  *reinterpret_cast<int4*>(dst) = make_int4(b.head_kv, b.document, b.kv_block, 0);
+}
+__device__ __forceinline__ TaskBlock load_block(const TaskBlock* src) {
+  const int4 v = *reinterpret_cast<const int4*>(src);
+  return {v.x, v.y, v.z, v.w};
+}
+
+// The kernel's shared memory. Tiles are 1024-byte aligned (swizzle atoms).
+struct alignas(1024) Tile {
+  unsigned char bytes[kTileBytes];
+};
+struct SharedStorage {
+  Tile k;                 // K of the resident key block (rows = keys)
+  Tile vt;                // V^T of the resident key block (rows = dims, columns = keys)
+  Tile q[kQStages];       // Q rows of a task (query w: rows 16w..); reused for its outputs
+  MetaStage meta[kQStages];
+  uint64_t full[kQStages];   // mbarrier: stage s holds a task (the producers' TMA bytes landed)
+  uint64_t empty[kQStages];  // mbarrier: the consumers are done with stage s
+  uint32_t nonfinite_keys[kBlock / 32];  // keys of the resident block with an inf / NaN value
+};
+static_assert(offsetof(SharedStorage, q) == 2 * kTileBytes && alignof(SharedStorage) == 1024);
+static_assert(offsetof(SharedStorage, full) % 8 == 0 && sizeof(MetaStage) % 16 == 0);
+constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + slack to align the base
+static_assert(kSmemBytes <= 227 * 1024, "over the 227 KB of shared memory a CTA can have");
+
+// SharedStorage at a 1024-aligned shared address: TMA, wgmma descriptors and mbarriers take
+// 32-bit shared addresses, the metadata is read through the pointer.
+struct Smem {
+  uint32_t base;
+  SharedStorage* ptr;
+  __device__ uint32_t k() const { return base + uint32_t(offsetof(SharedStorage, k)); }
+  __device__ uint32_t vt() const { return base + uint32_t(offsetof(SharedStorage, vt)); }
+  __device__ uint32_t q(int stage) const { return base + uint32_t(offsetof(SharedStorage, q)) + stage * kTileBytes; }
+  __device__ uint32_t full(int stage) const { return base + uint32_t(offsetof(SharedStorage, full)) + 8 * stage; }
+  __device__ uint32_t empty(int stage) const { return base + uint32_t(offsetof(SharedStorage, empty)) + 8 * stage; }
+  __device__ MetaStage& meta(int stage) const { return ptr->meta[stage]; }
+  __device__ uint32_t* nonfinite_keys() const { return ptr->nonfinite_keys; }
+};
 
 struct ForwardArgs {
   const __nv_bfloat16* q;  // [Tq, Hq, 128]
   const __nv_bfloat16* k;  // [Tk, Hkv, 128]
   const __nv_bfloat16* v;  // [Tk, Hkv, 128]
-  const int32_t* schedule;    // [capacity, 6]
+  const WorkItem* schedule;   // [capacity]
   const int32_t* work_count;  // [1]
   const int32_t* full_items;  // [1]: the schedule's leading items with q_per_cta queries
   const int32_t* q_indices;   // [Hkv, Tq * 16]
@@ -53,7 +150,7 @@ struct ForwardArgs {
   float2* part_ml;            // [16, Tq, Hq]: (max of S * scale * log2(e), sum of 2^(that - max))
   int64_t total_q;
   int Hq, Hkv;
-  int nsub;                   // tasks per schedule item: ceil(q_per_cta / 8)
+  int nsub;                   // tasks per schedule item: ceil(q_per_cta / kQueriesPerTask)
   float scale_log2;           // softmax scale * log2(e)
 };
 
@@ -79,6 +176,8 @@ __device__ CtaTasks cta_tasks(const ForwardArgs& a) {
   return r;
 }
 
+// ---- producer -----------------------------------------------------------------------------
+
 // What producer warp pw needs about one task: its key block and, for each of its queries, the
 // packed row (-1: absent), partial slot and last visible key of the block.
 struct TaskMeta {
@@ -90,20 +189,20 @@ struct TaskMeta {
 // tasks are in flight together, two dependent round trips per 32 tasks).
 __device__ TaskMeta fetch_task(const ForwardArgs& a, int64_t task, int pw) {
   TaskMeta m;
-  const int32_t* it = a.schedule + (task / a.nsub) * 6;
-  m.g = it[0], m.b = it[4], m.j = it[5];
-  const int q_begin = it[2], q_count = it[3];
+  const WorkItem& it = a.schedule[task / a.nsub];
+  m.g = it.head_kv, m.b = it.document, m.j = it.kv_block;
+  const int q_begin = it.q_begin, q_count = it.q_count;
   const DocInfo d = a.docs[m.b];
 #pragma unroll
   for (int i = 0; i < kQueriesPerProducer; ++i) {
-    const int qi = int(task % a.nsub) * 8 + pw * kQueriesPerProducer + i;
-    m.row[i] = -1, m.slot[i] = 0, m.limit[i] = 127;
+    const int qi = int(task % a.nsub) * kQueriesPerTask + pw * kQueriesPerProducer + i;
+    m.row[i] = -1, m.slot[i] = 0, m.limit[i] = kBlock - 1;
     if (qi < q_count) {
-      const int64_t e = int64_t(m.g) * a.total_q * 16 + q_begin + qi;
+      const int64_t e = int64_t(m.g) * a.total_q * kSlots + q_begin + qi;
       const int ql = a.q_indices[e];
       m.row[i] = d.q_start + ql;
       m.slot[i] = a.split_slot[e];
-      m.limit[i] = d.k_len - d.q_len + ql - m.j * 128;
+      m.limit[i] = d.k_len - d.q_len + ql - m.j * kBlock;
     }
   }
   return m;
@@ -114,7 +213,7 @@ __device__ TaskMeta fetch_task(const ForwardArgs& a, int64_t task, int pw) {
 // has arrived and all bytes have landed. Rows of absent queries are read past the end of Q,
 // i.e. as zeros (they keep the warpgroup's products finite; their results are not written).
 __device__ void produce_task(const ForwardArgs& a, const CUtensorMap* q_map, const TaskMeta& mine, int src,
-                             uint32_t stage, int* meta, uint32_t full, int pw, int lane) {
+                             uint32_t stage, MetaStage& meta, uint32_t full, int pw, int lane) {
   const int g = __shfl_sync(0xffffffffu, mine.g, src);
   const int b = __shfl_sync(0xffffffffu, mine.b, src);
   const int j = __shfl_sync(0xffffffffu, mine.j, src);
@@ -124,88 +223,185 @@ __device__ void produce_task(const ForwardArgs& a, const CUtensorMap* q_map, con
     const int r = __shfl_sync(0xffffffffu, mine.row[i], src);
     const int slot = __shfl_sync(0xffffffffu, mine.slot[i], src);
     const int limit = __shfl_sync(0xffffffffu, mine.limit[i], src);
-    if (lane == 0) *reinterpret_cast<int4*>(meta + 4 * (pw * kQueriesPerProducer + i)) = make_int4(r, slot, limit, g);
-    q_row[i] = r >= 0 ? r * a.Hq + 16 * g : int(a.total_q) * a.Hq;
+    if (lane == 0) store_meta(&meta.query[pw * kQueriesPerProducer + i], QueryMeta{r, slot, limit, g});
+    q_row[i] = r >= 0 ? r * a.Hq + kGroup * g : int(a.total_q) * a.Hq;
   }
   if (lane != 0) return;
-  if (pw == 0) *reinterpret_cast<int4*>(meta + 4 * kConsumerWarps) = make_int4(g, b, j, 0);
-  mbar_arrive_expect_tx(full, kQueriesPerProducer * 16 * 256);  // after the metadata stores
+  if (pw == 0) store_block(&meta.block, TaskBlock{g, b, j, 0});
+  mbar_arrive_expect_tx(full, kQueriesPerProducer * kGroup * kRowBytes);  // after the metadata stores
   // A query's Q rows come back once per selected block: let them outlive the output stream.
   const uint64_t keep = l2_evict_last();
 #pragma unroll
   for (int i = 0; i < kQueriesPerProducer; ++i) {
-    const uint32_t rows = stage + 16 * (pw * kQueriesPerProducer + i) * 128;
+    const uint32_t rows = stage + kGroup * (pw * kQueriesPerProducer + i) * kBoxRowBytes;
     tma_load_2d(rows, q_map, 0, q_row[i], full, keep);
-    tma_load_2d(rows + 128 * 128, q_map, 64, q_row[i], full, keep);
+    tma_load_2d(rows + kBoxBytes, q_map, kDim / 2, q_row[i], full, keep);
   }
 }
 
-// Loads key block j of head g into the K tile (rows = keys) and V transposed into the V^T
-// tile (rows = dims, columns = keys), so that both products read K-major operands. Keys past
-// the document end are zero. Runs (by the consumers) once per block change.
-__device__ void load_key_block(const ForwardArgs& a, int g, int b, int j, uint32_t ks, uint32_t vts, int tid) {
-  const DocInfo d = a.docs[b];
-  const int key0 = j * 128;
-  const int nkeys = min(128, d.k_len - key0);
-  const int64_t stride = int64_t(a.Hkv) * 128;
-  const __nv_bfloat16* kb = a.k + (int64_t(d.k_start + key0) * a.Hkv + g) * 128;
-  const __nv_bfloat16* vb = a.v + (int64_t(d.k_start + key0) * a.Hkv + g) * 128;
-  for (int c = tid; c < 128 * 16; c += kConsumers) {
-    const int key = c >> 4, ch = c & 15;
-    uint4 x = make_uint4(0, 0, 0, 0);
-    if (key < nkeys) x = __ldg(reinterpret_cast<const uint4*>(kb + key * stride + ch * 8));
-    asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(ks + tile_offset(128, key, ch)), "r"(x.x), "r"(x.y),
-                 "r"(x.z), "r"(x.w)
-                 : "memory");
-  }
-  // A warp covers 32 consecutive keys of one 8-dim chunk: its 2-byte stores hit one row.
-  for (int c = tid; c < 128 * 16; c += kConsumers) {
-    const int key = c & 127, ch = c >> 7;
-    uint4 x = make_uint4(0, 0, 0, 0);
-    if (key < nkeys) x = __ldg(reinterpret_cast<const uint4*>(vb + key * stride + ch * 8));
-    const uint32_t words[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const uint32_t addr = vts + tile_offset(128, ch * 8 + e, key >> 3) + (key & 7) * 2;
-      const uint16_t h = uint16_t(words[e >> 1] >> (16 * (e & 1)));
-      asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(addr), "h"(h) : "memory");
+// Producer warp pw's whole share: the CTA's tasks in order, four stages ahead of the consumers.
+__device__ void run_producer(const ForwardArgs& a, const CUtensorMap* q_map, const CtaTasks& tasks, int64_t ntasks,
+                             const Smem& sm, int pw, int lane) {
+  for (int64_t n0 = 0; n0 < ntasks; n0 += 32) {
+    TaskMeta mine;
+    if (n0 + lane < ntasks) mine = fetch_task(a, tasks.task(n0 + lane), pw);
+    const int count = int(ntasks - n0 < 32 ? ntasks - n0 : 32);
+#pragma unroll 1
+    for (int k = 0; k < count; ++k) {
+      const int n = int(n0 + k), stage = n % kQStages, use = n / kQStages;
+      if (use > 0) mbar_wait(sm.empty(stage), (use - 1) & 1);
+      produce_task(a, q_map, mine, k, sm.q(stage), sm.meta(stage), sm.full(stage), pw, lane);
     }
   }
 }
 
+// ---- consumer: key block, S = Q K^T, softmax, O = P V -------------------------------------
+
+// Loads key block j of head g into the K tile (rows = keys) and V transposed into the V^T
+// tile (rows = dims, columns = keys), so that both products read K-major operands. Keys past
+// the document end are zero. Runs (by the consumers) once per block change.
+//
+// Non-finite values: a key past a row's causal limit gets P = 0, but 0 * inf or NaN in the
+// shared V^T tile would still reach the row (the tile serves queries with different limits).
+// So an inf or NaN value is stored as 0, its key is marked in `nonfinite_keys` (cleared
+// beforehand), and the rows that do see the key add P * value for it afterwards
+// (add_nonfinite_values). Returns whether this thread met such a value. A K value needs no
+// care: a masked score is replaced by -inf, whatever it was.
+__device__ bool load_key_block(const ForwardArgs& a, const TaskBlock& blk, uint32_t ks, uint32_t vts,
+                               uint32_t* nonfinite_keys, int tid) {
+  const DocInfo d = a.docs[blk.document];
+  const int key0 = blk.kv_block * kBlock;
+  const int nkeys = min(kBlock, d.k_len - key0);
+  const int64_t stride = int64_t(a.Hkv) * kDim;
+  const __nv_bfloat16* kb = a.k + (int64_t(d.k_start + key0) * a.Hkv + blk.head_kv) * kDim;
+  const __nv_bfloat16* vb = a.v + (int64_t(d.k_start + key0) * a.Hkv + blk.head_kv) * kDim;
+  bool any_nonfinite = false;
+  for (int c = tid; c < kBlock * kRowChunks; c += kConsumers) {
+    const int key = c >> 4, ch = c & 15;  // kRowChunks chunks per key
+    uint4 x = make_uint4(0, 0, 0, 0);
+    if (key < nkeys) x = __ldg(reinterpret_cast<const uint4*>(kb + key * stride + ch * 8));
+    asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(ks + tile_offset(kTileRows, key, ch)), "r"(x.x),
+                 "r"(x.y), "r"(x.z), "r"(x.w)
+                 : "memory");
+  }
+  // A warp covers 32 consecutive keys of one 8-dim chunk: its 2-byte stores hit one row.
+  for (int c = tid; c < kBlock * kRowChunks; c += kConsumers) {
+    const int key = c & (kBlock - 1), ch = c >> 7;  // kBlock keys per chunk column
+    uint4 x = make_uint4(0, 0, 0, 0);
+    if (key < nkeys) x = __ldg(reinterpret_cast<const uint4*>(vb + key * stride + ch * 8));
+    uint32_t words[4] = {x.x, x.y, x.z, x.w};
+    uint32_t nonfinite = 0;
+#pragma unroll
+    for (int w = 0; w < 4; ++w) {
+      const uint32_t bad = nonfinite_bf16x2(words[w]);
+      words[w] &= ~bad;
+      nonfinite |= bad;
+    }
+    if (nonfinite != 0) {  // rare: atomics on shared memory only then
+      atomicOr(&nonfinite_keys[key >> 5], 1u << (key & 31));
+      any_nonfinite = true;
+    }
+#pragma unroll
+    for (int e = 0; e < 8; ++e) {
+      const uint32_t addr = vts + tile_offset(kTileRows, ch * 8 + e, key >> 3) + (key & 7) * 2;
+      const uint16_t h = uint16_t(words[e >> 1] >> (16 * (e & 1)));
+      asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(addr), "h"(h) : "memory");
+    }
+  }
+  return any_nonfinite;
+}
+
+// Where the warp's P (16 rows x 128 keys, bf16) is staged when the block holds a non-finite
+// value: its own rows of the Q stage, free once S is computed and not yet holding the outputs
+// (keys 0..63 in the first box, 64..127 in the second, 128 bytes a row).
+__device__ __forceinline__ uint32_t staged_p(uint32_t qs, int warp, int row, int key) {
+  return qs + (key >= kBlock / 2 ? kBoxBytes : 0) + (kGroup * warp + row) * kBoxRowBytes + (key & (kBlock / 2 - 1)) * 2;
+}
+
+__device__ void stage_p(const uint32_t (&p)[kKSteps][4], uint32_t qs, int warp, int lane) {
+#pragma unroll
+  for (int kt = 0; kt < kKSteps; ++kt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {  // A fragment: rows g, g + 8; keys 16kt + 2t (+1), 16kt + 8 + 2t (+1)
+      const uint32_t addr = staged_p(qs, warp, (lane >> 2) + 8 * (i & 1), 16 * kt + 8 * (i >> 1) + 2 * (lane & 3));
+      st_shared_u32(addr, p[kt][i]);
+    }
+}
+
+// The rare path of a block with non-finite values (load_key_block): O holds P V with those
+// values as 0; each row adds P * value for the non-finite values of the keys it sees (its
+// query's limit), read from global memory, which is what P V over the original values gives
+// for them (NaN, or +-inf). Keys the query does not see are never touched.
+__device__ void add_nonfinite_values(const ForwardArgs& a, float (&o)[kNFrags][4], const uint32_t* nonfinite_keys,
+                                     const TaskBlock& blk, uint32_t qs, int limit, int warp, int lane) {
+  __syncwarp();  // every lane's staged P
+  const DocInfo d = a.docs[blk.document];
+  const int64_t stride = int64_t(a.Hkv) * kDim;
+  const __nv_bfloat16* vb = a.v + (int64_t(d.k_start + blk.kv_block * kBlock) * a.Hkv + blk.head_kv) * kDim;
+  const int t = lane & 3;
+  for (int w = 0; w < kBlock / 32; ++w) {
+    uint32_t bits = nonfinite_keys[w];
+    while (bits != 0) {
+      const int key = 32 * w + __ffs(int(bits)) - 1;
+      bits &= bits - 1;
+      if (key > limit) continue;
+      uint16_t pa, pb;
+      asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(pa) : "r"(staged_p(qs, warp, lane >> 2, key)) : "memory");
+      asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(pb) : "r"(staged_p(qs, warp, (lane >> 2) + 8, key)) : "memory");
+      const float p0 = bf16_bits_to_float(pa), p1 = bf16_bits_to_float(pb);
+      const uint32_t* values = reinterpret_cast<const uint32_t*>(vb + key * stride);
+#pragma unroll
+      for (int nt = 0; nt < kNFrags; ++nt) {
+        const uint32_t two = __ldg(values + nt * 4 + t);  // dims 8nt + 2t, +1: o[nt][0..1], o[nt][2..3]
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float v = bf16_bits_to_float(uint16_t(two >> (16 * e)));
+          if (!isfinite(v)) {
+            o[nt][e] += p0 * v;
+            o[nt][2 + e] += p1 * v;
+          }
+        }
+      }
+    }
+  }
+  __syncwarp();  // before the output rows overwrite the staged P
+}
+static_assert(kRowChunks == 16 && kBlock == 128, "load_key_block's shifts");
+
 // Issues S = Q K^T for warpgroup wg's 4 queries of a task (q_desc: rows 64wg.. of the Q
 // stage) against the resident key tile; does not wait.
-__device__ __forceinline__ void issue_scores(float (&s)[16][4], uint64_t q_desc, uint64_t k_desc) {
+__device__ __forceinline__ void issue_scores(float (&s)[kNFrags][4], uint64_t q_desc, uint64_t k_desc) {
   wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < 8; ++kk)
-    wgmma_m64n128k16(s, q_desc + tile_desc_step(128, kk), k_desc + tile_desc_step(128, kk), kk > 0);
+  for (int kk = 0; kk < kKSteps; ++kk)
+    wgmma_m64n128k16(s, q_desc + tile_desc_step(kTileRows, kk), k_desc + tile_desc_step(kTileRows, kk), kk > 0);
   wgmma_commit();
 }
 
 // Issues O = P V (P from registers, V^T as the K-major B operand); does not wait.
-__device__ __forceinline__ void issue_pv(float (&o)[16][4], const uint32_t (&p)[8][4], uint64_t vt_desc) {
+__device__ __forceinline__ void issue_pv(float (&o)[kNFrags][4], const uint32_t (&p)[kKSteps][4], uint64_t vt_desc) {
   wgmma_fence();
 #pragma unroll
-  for (int kt = 0; kt < 8; ++kt) wgmma_m64n128k16_rs(o, p[kt], vt_desc + tile_desc_step(128, kt), kt > 0);
+  for (int kt = 0; kt < kKSteps; ++kt) wgmma_m64n128k16_rs(o, p[kt], vt_desc + tile_desc_step(kTileRows, kt), kt > 0);
   wgmma_commit();
 }
 
-// Max (scaled to the exp2 domain) and sum of exponentials of the two rows a thread holds.
+// Max (scaled to the exp2 domain) and sum of exponentials of the two rows a thread holds: the
+// attention state of the (query, head, block) edge as src/attention_state.h defines it.
 struct RowStats {
   float ms0, ms1, l0, l1;
 };
 
 // Softmax numerators of the warp's 16 rows (keys past `limit` masked) as bf16 A fragments.
 // Reductions run over four partial accumulators to keep the dependency chains short.
-__device__ __forceinline__ RowStats softmax_rows(float (&s)[16][4], uint32_t (&p)[8][4], int limit, float scale_log2,
-                                                 int t) {
-  if (limit < 127) {
+__device__ __forceinline__ RowStats softmax_rows(float (&s)[kNFrags][4], uint32_t (&p)[kKSteps][4], int limit,
+                                                 float scale_log2, int t) {
+  if (limit < kBlock - 1) {
 #pragma unroll
-    for (int nt = 0; nt < 16; ++nt)
+    for (int nt = 0; nt < kNFrags; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        if (nt * 8 + 2 * t + (e & 1) > limit) s[nt][e] = -INFINITY;
+        if (nt * 8 + 2 * t + (e & 1) > limit) s[nt][e] = -INFINITY;  // by selection: a NaN score goes too
   }
   float mx[2][4];
 #pragma unroll
@@ -214,7 +410,7 @@ __device__ __forceinline__ RowStats softmax_rows(float (&s)[16][4], uint32_t (&p
     mx[1][i] = fmaxf(s[i][2], s[i][3]);
   }
 #pragma unroll
-  for (int nt = 4; nt < 16; ++nt) {
+  for (int nt = 4; nt < kNFrags; ++nt) {
     mx[0][nt & 3] = fmaxf(mx[0][nt & 3], fmaxf(s[nt][0], s[nt][1]));
     mx[1][nt & 3] = fmaxf(mx[1][nt & 3], fmaxf(s[nt][2], s[nt][3]));
   }
@@ -223,7 +419,7 @@ __device__ __forceinline__ RowStats softmax_rows(float (&s)[16][4], uint32_t (&p
   r.ms1 = warp_max4(fmaxf(fmaxf(mx[1][0], mx[1][1]), fmaxf(mx[1][2], mx[1][3]))) * scale_log2;
   float sum[2][4] = {};
 #pragma unroll
-  for (int kt = 0; kt < 8; ++kt) {
+  for (int kt = 0; kt < kKSteps; ++kt) {
     float e[2][4];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -244,26 +440,29 @@ __device__ __forceinline__ RowStats softmax_rows(float (&s)[16][4], uint32_t (&p
   return r;
 }
 
+// ---- epilogue -----------------------------------------------------------------------------
+
 // Stages the warp's 16 unnormalised output rows in its own (already consumed) Q rows of the
-// stage and has TMA write them to partial slot m.y, with each row's max and sum. Lane 0
+// stage and has TMA write them to partial slot m.slot, with each row's max and sum. Lane 0
 // commits one bulk group per task (empty for an absent query), so that the caller can wait for
 // the stage to be read before handing it back.
-__device__ __forceinline__ void store_partial(const ForwardArgs& a, const CUtensorMap* part_map, const float (&o)[16][4],
-                                              const RowStats& r, int4 m, uint32_t qs, int warp, int lane) {
-  const int row = m.x, slot = m.y, g = m.w;
-  if (row >= 0) {
-    const int r16 = 16 * warp;
+__device__ __forceinline__ void store_partial(const ForwardArgs& a, const CUtensorMap* part_map,
+                                              const float (&o)[kNFrags][4], const RowStats& r, const QueryMeta& m,
+                                              uint32_t qs, int warp, int lane) {
+  if (m.row >= 0) {
+    const int r16 = kGroup * warp;
 #pragma unroll
-    for (int k = 0; k < 8; ++k)
-      store_rows_x16(qs, 128, r16, k, lane, pack_bf16(o[2 * k][0], o[2 * k][1]), pack_bf16(o[2 * k][2], o[2 * k][3]),
-                     pack_bf16(o[2 * k + 1][0], o[2 * k + 1][1]), pack_bf16(o[2 * k + 1][2], o[2 * k + 1][3]));
+    for (int k = 0; k < kNFrags / 2; ++k)
+      store_rows_x16(qs, kTileRows, r16, k, lane, pack_bf16(o[2 * k][0], o[2 * k][1]),
+                     pack_bf16(o[2 * k][2], o[2 * k][3]), pack_bf16(o[2 * k + 1][0], o[2 * k + 1][1]),
+                     pack_bf16(o[2 * k + 1][2], o[2 * k + 1][3]));
     fence_proxy_async();  // the stmatrix writes are read by TMA next
     __syncwarp();
-    const int out_row = (slot * int(a.total_q) + row) * a.Hq + 16 * g;
+    const int out_row = (m.slot * int(a.total_q) + m.row) * a.Hq + kGroup * m.head_kv;
     if (lane == 0) {  // partial outputs are read back only by the merge, long after
       const uint64_t stream = l2_evict_first();
-      tma_store_2d(part_map, 0, out_row, qs + r16 * 128, stream);
-      tma_store_2d(part_map, 64, out_row, qs + 128 * 128 + r16 * 128, stream);
+      tma_store_2d(part_map, 0, out_row, qs + r16 * kBoxRowBytes, stream);
+      tma_store_2d(part_map, kDim / 2, out_row, qs + kBoxBytes + r16 * kBoxRowBytes, stream);
     }
     if ((lane & 3) == 0) {
       a.part_ml[out_row + (lane >> 2)] = make_float2(r.ms0, r.l0);
@@ -273,98 +472,69 @@ __device__ __forceinline__ void store_partial(const ForwardArgs& a, const CUtens
   if (lane == 0) bulk_commit();
 }
 
-__global__ void __launch_bounds__(kThreads, 1)
-    forward_tasks_kernel(const ForwardArgs a, const __grid_constant__ CUtensorMap q_map,
-                         const __grid_constant__ CUtensorMap part_map) {
-  extern __shared__ __align__(128) unsigned char smem[];
-  if (a.status[0] != 0) return;
-  const CtaTasks mine_tasks = cta_tasks(a);
-  const int64_t ntasks_cta = mine_tasks.count();
-  if (ntasks_cta == 0) return;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const uint32_t base = align1024(smem_addr(smem));
-  unsigned char* base_ptr = smem + (base - smem_addr(smem));
-  const uint32_t ks = base, vts = base + kTileBytes, q0 = base + 2 * kTileBytes;
-  int* meta0 = reinterpret_cast<int*>(base_ptr + (2 + kQStages) * kTileBytes);
-  const uint32_t bars = base + (2 + kQStages) * kTileBytes + kQStages * kMetaInts * 4;  // full[s], then empty[s]
-  if (tid == 0) {
-    for (int i = 0; i < kQStages; ++i) {
-      mbar_init(bars + 8 * i, kProducerWarps);  // lane 0 of each producer warp (with its TMA bytes)
-      mbar_init(bars + 8 * (kQStages + i), kConsumerWarps);
-    }
-  }
-  __syncthreads();
+// ---- consumer loop ------------------------------------------------------------------------
 
-  if (warp >= kConsumerWarps) {
-    setmaxnreg_dec<kProducerRegs>();
-    const int pw = warp - kConsumerWarps;
-    for (int64_t n0 = 0; n0 < ntasks_cta; n0 += 32) {
-      TaskMeta mine;
-      if (n0 + lane < ntasks_cta) mine = fetch_task(a, mine_tasks.task(n0 + lane), pw);
-      const int count = int(ntasks_cta - n0 < 32 ? ntasks_cta - n0 : 32);
-      for (int k = 0; k < count; ++k) {
-        const int n = int(n0 + k), stage = n % kQStages, use = n / kQStages;
-        if (use > 0) mbar_wait(bars + 8 * (kQStages + stage), (use - 1) & 1);
-        produce_task(a, &q_map, mine, k, q0 + stage * kTileBytes, meta0 + stage * kMetaInts, bars + 8 * stage, pw, lane);
-      }
-    }
-    return;
-  }
-
-  setmaxnreg_inc<kConsumerRegs>();
-  // Consumers, software-pipelined over tasks: while task n's outputs are normalised and stored,
-  // the tensor cores already compute S of task n + 1 (when it reads the same key block).
+// The consumers, software-pipelined over tasks: while task n's outputs are normalised and
+// stored, the tensor cores already compute S of task n + 1 (when it reads the same key block).
+__device__ void run_consumer(const ForwardArgs& a, const CUtensorMap* part_map, int ntasks, const Smem& sm, int tid) {
+  const int warp = tid >> 5, lane = tid & 31;
   const int wg = warp >> 2, t4 = lane & 3;
-  int loaded_g = -1, loaded_b = -1, loaded_j = -1;
-  // Waits for task n's Q stage; returns its key block (x: head, y: document, z: block).
+  TaskBlock loaded{-1, -1, -1, 0};
+  bool loaded_nonfinite = false;  // the resident block holds an inf or NaN value (CTA-uniform)
+  // Waits for task n's Q stage; returns its key block.
   auto wait_task = [&](int n) {
-    mbar_wait(bars + 8 * (n % kQStages), (n / kQStages) & 1);
+    mbar_wait(sm.full(n % kQStages), (n / kQStages) & 1);
     fence_proxy_async();  // the cp.async rows are read by wgmma next
-    return *reinterpret_cast<const int4*>(meta0 + (n % kQStages) * kMetaInts + 4 * kConsumerWarps);
+    return load_block(&sm.meta(n % kQStages).block);
   };
-  auto load_block = [&](int4 blk) {
-    named_barrier(kKvBarrier, kConsumers);  // every consumer is done with the old block
-    load_key_block(a, blk.x, blk.y, blk.z, ks, vts, tid);
-    loaded_g = blk.x, loaded_b = blk.y, loaded_j = blk.z;
+  auto load_block_tiles = [&](const TaskBlock& blk) {
+    sync_barrier(ForwardBarrier::kKeyBlock, kConsumers);  // every consumer is done with the old block
+    if (loaded_nonfinite) {  // rare: clear the old block's marks before any new one is set
+      if (tid < kBlock / 32) sm.nonfinite_keys()[tid] = 0;
+      sync_barrier(ForwardBarrier::kKeyBlock, kConsumers);
+    }
+    const bool mine = load_key_block(a, blk, sm.k(), sm.vt(), sm.nonfinite_keys(), tid);
+    loaded = blk;
     fence_proxy_async();
-    named_barrier(kKvBarrier, kConsumers);
+    loaded_nonfinite = sync_barrier_or(ForwardBarrier::kKeyBlock, kConsumers, mine);
   };
-  const int ntasks = int(ntasks_cta);  // >= 1
-  const uint64_t k_desc = sw128_desc(ks), vt_desc = sw128_desc(vts);
-  auto q_desc = [&](int n) { return sw128_desc(q0 + (n % kQStages) * kTileBytes + 64 * wg * 128); };
-  float s[16][4];
-  load_block(wait_task(0));
+  const uint64_t k_desc = sw128_desc(sm.k()), vt_desc = sw128_desc(sm.vt());
+  auto q_desc = [&](int n) { return sw128_desc(sm.q(n % kQStages) + (kTileRows / 2) * wg * kBoxRowBytes); };
+  float s[kNFrags][4];
+  load_block_tiles(wait_task(0));
   issue_scores(s, q_desc(0), k_desc);
   for (int n = 0;; ++n) {
     const int stage = n % kQStages;
-    const uint32_t qs = q0 + stage * kTileBytes;
-    const int4 m = *reinterpret_cast<const int4*>(meta0 + stage * kMetaInts + 4 * warp);
+    const uint32_t qs = sm.q(stage);
+    const QueryMeta m = load_meta(&sm.meta(stage).query[warp]);
     wgmma_wait<0>();
-    warpgroup_barrier(wg);  // every warp's Q rows are read before any warp reuses them
-    uint32_t p[8][4];
-    const RowStats r = softmax_rows(s, p, m.z, a.scale_log2, t4);
-    float o[16][4];
+    // Every warp's Q rows are read before any warp reuses them.
+    warpgroup_barrier(int(ForwardBarrier::kWarpgroup0) + wg);
+    uint32_t p[kKSteps][4];
+    const RowStats r = softmax_rows(s, p, m.limit, a.scale_log2, t4);
+    if (loaded_nonfinite) stage_p(p, qs, warp, lane);
+    float o[kNFrags][4];
     issue_pv(o, p, vt_desc);
     // S of the next task goes to the tensor cores now if its key block is already resident;
     // otherwise an empty group keeps the wait below the same on every path.
     const bool more = __all_sync(0xffffffffu, n + 1 < ntasks);
-    int4 next_blk = make_int4(-1, -1, -1, 0);
+    TaskBlock next_blk{-1, -1, -1, 0};
     if (more) next_blk = wait_task(n + 1);
     // (A warp vote: the wgmma below must be seen as taken by whole warps.)
-    const bool same_block =
-        __all_sync(0xffffffffu, more && next_blk.x == loaded_g && next_blk.y == loaded_b && next_blk.z == loaded_j);
+    const bool same_block = __all_sync(0xffffffffu, more && next_blk.same(loaded));
     if (same_block) issue_scores(s, q_desc(n + 1), k_desc);
     else wgmma_commit();
     wgmma_wait<1>();  // O of task n is complete
-    store_partial(a, &part_map, o, r, m, qs, warp, lane);
+    if (loaded_nonfinite) add_nonfinite_values(a, o, sm.nonfinite_keys(), loaded, qs, m.limit, warp, lane);
+    store_partial(a, part_map, o, r, m, qs, warp, lane);
     // Task n - 1's stage goes back to the producers once its output rows have been read out.
     if (lane == 0) {
       bulk_wait_read<1>();
-      if (n > 0) mbar_arrive(bars + 8 * (kQStages + (n - 1) % kQStages));
+      if (n > 0) mbar_arrive(sm.empty((n - 1) % kQStages));
     }
     if (!more) break;
     if (!same_block) {
-      load_block(next_blk);
+      load_block_tiles(next_blk);
       issue_scores(s, q_desc(n + 1), k_desc);
     }
   }
@@ -372,27 +542,57 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (lane == 0) bulk_wait_read<0>();  // shared memory stays valid until TMA has read it
 }
 
+__global__ void __launch_bounds__(kThreads, 1)
+    forward_tasks_kernel(const ForwardArgs a, const __grid_constant__ CUtensorMap q_map,
+                         const __grid_constant__ CUtensorMap part_map) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  if (a.status[0] != 0) return;
+  const CtaTasks tasks = cta_tasks(a);
+  const int64_t ntasks = tasks.count();
+  if (ntasks == 0) return;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const uint32_t base = align1024(smem_addr(smem));
+  const Smem sm{base, reinterpret_cast<SharedStorage*>(smem + (base - smem_addr(smem)))};
+  if (tid == 0) {
+    for (int i = 0; i < kQStages; ++i) {
+      mbar_init(sm.full(i), kProducerWarps);  // lane 0 of each producer warp (with its TMA bytes)
+      mbar_init(sm.empty(i), kConsumerWarps);
+    }
+    for (int i = 0; i < kBlock / 32; ++i) sm.nonfinite_keys()[i] = 0;
+  }
+  __syncthreads();
+
+  if (warp >= kConsumerWarps) {
+    setmaxnreg_dec<kProducerRegs>();
+    run_producer(a, &q_map, tasks, ntasks, sm, warp - kConsumerWarps, lane);
+    return;
+  }
+  setmaxnreg_inc<kConsumerRegs>();
+  run_consumer(a, &part_map, int(ntasks), sm, tid);  // ntasks >= 1
+}
+
 // Merges the partial states of every (query, head): thread = 8 output dims of one
-// (query, head). Partial s holds O_s = sum_k 2^(x_k - m_s) v_k and l_s = sum_k 2^(x_k - m_s)
-// (x: scores in log2 units); with M = max_s m_s and w_s = 2^(m_s - M), out = sum w_s O_s /
-// sum w_s l_s and LSE = (M + log2 sum w_s l_s) ln 2. No partial, or a sum that is not
-// finite (NaN scores), gives zeros and -inf; NaN in the partial values carries into out. The
+// (query, head). Partial s is the attention state (m_s, l_s, O_s) of one selected block
+// (src/attention_state.h: scores in log2 units, O_s unnormalised); the merge, the division and
+// the LSE, and the rules for empty rows and non-finite sums, are that header's. The
 // slots are read in batches of 4 (the loads of a batch in flight together), which keeps the
 // kernel at 64 registers: 32 resident warps per SM overlap the dependent loads (counts, maxima,
 // partials) of many rows, which is what this memory-bound kernel needs.
 constexpr int kMergeThreads = 256;
+constexpr int kMergeChunks = kDim / 8;  // threads per (query, head): 8 dims each
+static_assert(kMergeChunks == 16, "the merge's shifts");
 template <typename Out>
 __global__ void __launch_bounds__(kMergeThreads, 4)
     forward_merge_kernel(const __nv_bfloat16* __restrict__ part_o, const float2* __restrict__ part_ml,
                          const int32_t* __restrict__ split_counts, const int32_t* __restrict__ status, int64_t total_q,
                          int Hq, int Hkv, Out* __restrict__ out, float* __restrict__ lse) {
   const int64_t gid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (gid >= total_q * Hq * 16) return;
-  const int64_t qh = gid >> 4;  // query * Hq + head
+  if (gid >= total_q * Hq * kMergeChunks) return;
+  const int64_t qh = gid >> 4;  // query * Hq + head (kMergeChunks threads each)
   const int chunk = int(gid & 15);
   const int64_t q = qh / Hq;
   const int h = int(qh % Hq);
-  const int C = split_counts[q * Hkv + h / 16];
+  const int C = split_counts[q * Hkv + h / kGroup];
   const int64_t slot_stride = total_q * Hq;
   float acc[8];
 #pragma unroll
@@ -404,21 +604,22 @@ __global__ void __launch_bounds__(kMergeThreads, 4)
     for (int e = 0; e < 8; ++e) acc[e] = NAN;
   } else if (C > 0) {
     const float2* ml_row = part_ml + qh;                   // slot s at ml_row[s * slot_stride]
-    const __nv_bfloat16* o_row = part_o + qh * 128 + chunk * 8;  // slot s at o_row[s * slot_stride * 128]
-    float m = -INFINITY;  // M (the maxima are read again with the partials; they are cached)
+    const __nv_bfloat16* o_row = part_o + qh * kDim + chunk * 8;  // slot s at o_row[s * slot_stride * kDim]
+    // Two passes: the common max first (the maxima are read again with the partials; they are
+    // cached), then every slot's sum and values weighted against it.
+    AttentionState<8> row = AttentionState<8>::empty();
 #pragma unroll
-    for (int s = 0; s < 16; ++s)
-      if (s < C) m = fmaxf(m, ml_row[s * slot_stride].x);
-    float z = 0.f;
+    for (int s = 0; s < kSlots; ++s)
+      if (s < C) row.s.m = state_math::max(row.s.m, ml_row[s * slot_stride].x);
 #pragma unroll
-    for (int batch = 0; batch < 4; ++batch) {
+    for (int batch = 0; batch < kSlots / 4; ++batch) {
       uint4 raw[4];
       float2 ml[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const int s = 4 * batch + i;
         if (s < C) {
-          raw[i] = *reinterpret_cast<const uint4*>(o_row + s * slot_stride * 128);
+          raw[i] = *reinterpret_cast<const uint4*>(o_row + s * slot_stride * kDim);
           ml[i] = ml_row[s * slot_stride];
         }
       }
@@ -426,28 +627,19 @@ __global__ void __launch_bounds__(kMergeThreads, 4)
       for (int i = 0; i < 4; ++i) {
         const int s = 4 * batch + i;
         if (s >= C) continue;
-        const float w = m > -INFINITY ? exp2f(ml[i].x - m) : 0.f;
-        z += w * ml[i].y;
         const uint32_t words[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
+        float v[8];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          acc[2 * e] += w * bf16_bits_to_float(uint16_t(words[e] & 0xffff));
-          acc[2 * e + 1] += w * bf16_bits_to_float(uint16_t(words[e] >> 16));
+          v[2 * e] = bf16_bits_to_float(uint16_t(words[e] & 0xffff));
+          v[2 * e + 1] = bf16_bits_to_float(uint16_t(words[e] >> 16));
         }
+        row.add_at_max(SoftmaxState{ml[i].x, ml[i].y}, v);
       }
     }
-    if (m > -INFINITY && z > 0.f && isfinite(z)) {
-      const float inv = 1.f / z;
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[e] *= inv;
-      constexpr float kLn2 = 0.6931471805599453f;
-      result_lse = (m + log2f(z)) * kLn2;
-    } else {
-#pragma unroll
-      for (int e = 0; e < 8; ++e) acc[e] = 0.f;
-    }
+    result_lse = row.normalise(acc);
   }
-  Out* dst = out + qh * 128 + chunk * 8;
+  Out* dst = out + qh * kDim + chunk * 8;
   if constexpr (sizeof(Out) == 4) {
     *reinterpret_cast<float4*>(dst) = make_float4(acc[0], acc[1], acc[2], acc[3]);
     *reinterpret_cast<float4*>(dst + 4) = make_float4(acc[4], acc[5], acc[6], acc[7]);
@@ -472,7 +664,7 @@ void sparse_attention_forward(const Topology& topo, const PackedLayout& L, const
   a.q = p.q.as<const __nv_bfloat16>();
   a.k = p.k.as<const __nv_bfloat16>();
   a.v = p.v.as<const __nv_bfloat16>();
-  a.schedule = i32(plan.schedule);
+  a.schedule = static_cast<const WorkItem*>(plan.schedule.data());
   a.work_count = i32(plan.work_count_dev);
   a.full_items = i32(st.schedule_full);
   a.q_indices = i32(plan.q_indices);
@@ -483,19 +675,19 @@ void sparse_attention_forward(const Topology& topo, const PackedLayout& L, const
   a.total_q = Tq;
   a.Hq = topo.num_q_heads;
   a.Hkv = topo.num_kv_heads;
-  a.nsub = int(ceil_div(plan.q_per_cta, 8));
-  a.scale_log2 = topo.attention_scale() * 1.4426950408889634f;
+  a.nsub = int(ceil_div(plan.q_per_cta, kQueriesPerTask));
+  a.scale_log2 = topo.attention_scale() * math::kLog2e;
   const int64_t max_tasks = st.schedule_capacity * a.nsub;
   if (max_tasks > 0) {
     MSA_CUDA_CHECK(cudaFuncSetAttribute(forward_tasks_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
     __nv_bfloat16* part_o = ws<__nv_bfloat16>(st, w.part_o);
-    const CUtensorMap q_map = bf16_row_tile_map(a.q, Tq * a.Hq, 16, "q");
-    const CUtensorMap part_map = bf16_row_tile_map(part_o, 16 * Tq * a.Hq, 16, "the partial-output workspace");
+    const CUtensorMap q_map = bf16_row_tile_map(a.q, Tq * a.Hq, kGroup, "q");
+    const CUtensorMap part_map = bf16_row_tile_map(part_o, kSlots * Tq * a.Hq, kGroup, "the partial-output workspace");
     const int grid = int(std::min<int64_t>(max_tasks, sm_count()));
     forward_tasks_kernel<<<grid, kThreads, kSmemBytes, s>>>(a, q_map, part_map);
     MSA_CUDA_CHECK_LAUNCH("forward_tasks_kernel");
   }
-  const int blocks = int(ceil_div(Tq * topo.num_q_heads * 16, kMergeThreads));
+  const int blocks = int(ceil_div(Tq * topo.num_q_heads * kMergeChunks, kMergeThreads));
   if (p.out.dtype == DType::f32) {
     forward_merge_kernel<float><<<blocks, kMergeThreads, 0, s>>>(ws<__nv_bfloat16>(st, w.part_o), a.part_ml, i32(plan.split_counts), a.status, Tq,
                                                        a.Hq, a.Hkv, p.out.as<float>(), p.lse.as<float>());

@@ -1,5 +1,6 @@
 // Merge of partial attention states by LSE weights (same rules as the CPU backend): one warp
 // per (row, head), the head dimension in slices of 128 (4 values a lane).
+#include "attention_state.h"
 #include "backend.h"
 #include "cuda/common.cuh"
 #include "cuda/reduce.cuh"
@@ -13,29 +14,25 @@ __global__ void merge_states_kernel(const Part* __restrict__ parts, const float*
   const int64_t rh = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   const int lane = threadIdx.x & 31;
   if (rh >= RH) return;
-  float m = -INFINITY;
-  for (int64_t s = 0; s < S; ++s) m = fmaxf(m, lse_parts[s * RH + rh]);  // NaN partials are ignored
-  float z = 0.f;
-  const bool finite = isfinite(m);
-  if (finite)
-    for (int64_t s = 0; s < S; ++s) {
-      const float l = lse_parts[s * RH + rh];
-      if (l > -INFINITY) z += expf(l - m);
-    }
-  const bool ok = finite && z > 0.f && isfinite(z);
-  const float inv = ok ? 1.f / z : 0.f;
+  // Two passes over the LSEs (max, then sums), then the values of every 128-dim slice
+  // weighted against the common max; rules and arithmetic are src/attention_state.h's.
+  SoftmaxState row = SoftmaxState::empty();
+  for (int64_t s = 0; s < S; ++s) row.m = state_math::max(row.m, SoftmaxState::from_lse(lse_parts[s * RH + rh]).m);
+  for (int64_t s = 0; s < S; ++s) row.add_at_max(SoftmaxState::from_lse(lse_parts[s * RH + rh]));
+  const bool ok = row.valid();
+  const float inv = row.inverse_sum();
   for (int64_t d0 = 0; d0 < D; d0 += 128) {
     float acc[4] = {0.f, 0.f, 0.f, 0.f};
     if (ok)
       for (int64_t s = 0; s < S; ++s) {
-        const float l = lse_parts[s * RH + rh];
-        if (!(l > -INFINITY)) continue;
-        const float w = expf(l - m);
-        const Part* row = parts + (s * RH + rh) * D;
+        const SoftmaxState part = SoftmaxState::from_lse(lse_parts[s * RH + rh]);
+        if (!(part.m > -INFINITY)) continue;  // empty partial: its values are never read
+        const float w = part.weight(row.m);
+        const Part* values = parts + (s * RH + rh) * D;
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int64_t d = d0 + lane + 32 * i;
-          if (d < D) acc[i] += w * load_f(row + d);
+          if (d < D) acc[i] += w * load_f(values + d);
         }
       }
 #pragma unroll
@@ -44,7 +41,7 @@ __global__ void merge_states_kernel(const Part* __restrict__ parts, const float*
       if (d < D) store_f(out + rh * D + d, acc[i] * inv);
     }
   }
-  if (lane == 0) lse[rh] = ok ? m + logf(z) : -INFINITY;
+  if (lane == 0) lse[rh] = row.lse();
 }
 
 template <typename Part, typename Out>

@@ -13,6 +13,7 @@
 #include <limits>
 
 #include "backend.h"
+#include "plan_records.h"
 #include "cuda/common.cuh"
 #include "cuda/device_layout.cuh"
 #include "core/buffer_pack.h"
@@ -157,20 +158,20 @@ __global__ void items_count_kernel(const int32_t* __restrict__ row_ptr, int Hkv,
   tail_val[n] = int32_t(n);
 }
 
-__device__ __forceinline__ void write_item(int32_t* item, int h, int32_t r, int32_t q_begin, int32_t q_count,
+__device__ __forceinline__ void write_item(WorkItem* item, int h, int32_t r, int32_t q_begin, int32_t q_count,
                                            const int32_t* rows) {
-  item[0] = h;
-  item[1] = r;
-  item[2] = q_begin;
-  item[3] = q_count;
-  item[4] = rows[2 * r];
-  item[5] = rows[2 * r + 1];
+  *item = WorkItem{.head_kv = h,
+                   .row = r,
+                   .q_begin = q_begin,
+                   .q_count = q_count,
+                   .document = rows[2 * r],
+                   .kv_block = rows[2 * r + 1]};
 }
 
 __global__ void items_fill_full_kernel(const int32_t* __restrict__ row_ptr, const int32_t* __restrict__ nfull,
                                        const int32_t* __restrict__ full_pos, int64_t N, int32_t total_rows,
                                        int per_item, int64_t capacity, const int32_t* __restrict__ rows,
-                                       int32_t* __restrict__ items) {
+                                       WorkItem* __restrict__ items) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= capacity || N == 0) return;
   const int64_t total_full = int64_t(full_pos[N - 1]) + nfull[N - 1];
@@ -180,13 +181,13 @@ __global__ void items_fill_full_kernel(const int32_t* __restrict__ row_ptr, cons
   const int32_t r = int32_t(n % total_rows);
   const int32_t c = int32_t(i - full_pos[n]);
   const int32_t begin = row_ptr[int64_t(h) * (total_rows + 1) + r] + c * per_item;
-  write_item(items + i * 6, h, r, begin, per_item, rows);
+  write_item(items + i, h, r, begin, per_item, rows);
 }
 
 __global__ void items_fill_tail_kernel(const int32_t* __restrict__ row_ptr, const int32_t* __restrict__ nfull,
                                        const int32_t* __restrict__ full_pos, const int32_t* __restrict__ sorted_key,
                                        const int32_t* __restrict__ sorted_val, int64_t N, int32_t total_rows,
-                                       int per_item, const int32_t* __restrict__ rows, int32_t* __restrict__ items,
+                                       int per_item, const int32_t* __restrict__ rows, WorkItem* __restrict__ items,
                                        int32_t* __restrict__ tail_index, int32_t* __restrict__ work_count,
                                        int32_t* __restrict__ full_count) {
   const int64_t P = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -203,7 +204,7 @@ __global__ void items_fill_tail_kernel(const int32_t* __restrict__ row_ptr, cons
   const int32_t r = int32_t(n % total_rows);
   const int32_t begin = row_ptr[int64_t(h) * (total_rows + 1) + r] + nfull[n] * per_item;
   const int64_t index = total_full + P;
-  write_item(items + index * 6, h, r, begin, per_item - key, rows);
+  write_item(items + index, h, r, begin, per_item - key, rows);
   if (tail_index) tail_index[n] = int32_t(index);
 }
 
@@ -318,10 +319,10 @@ class Uploader {
 
 // Cuts every (head, row) of the CSR into items of at most `per_item` queries: full items in
 // (head, row) order first, then the partial items by size descending, (head, row) order
-// among equal sizes. Writes `items` ([capacity, 6]) and `work_count` ([1]); optionally the
+// among equal sizes. Writes `items` ([capacity]) and `work_count` ([1]); optionally the
 // per-row index arrays the deterministic reductions use.
 void build_items(const int32_t* row_ptr, int Hkv, int32_t total_rows, int per_item, int64_t capacity,
-                 const int32_t* rows, int32_t* items, int32_t* work_count, int32_t* full_count, int32_t* first,
+                 const int32_t* rows, WorkItem* items, int32_t* work_count, int32_t* full_count, int32_t* first,
                  int32_t* nfull_out, int32_t* tail_index, cudaStream_t s) {
   const int64_t N = int64_t(Hkv) * total_rows;
   if (N == 0) {
@@ -442,11 +443,12 @@ void build_plan(const Topology& topo, const PackedLayout& L, const TensorView& t
     }
   }
   build_items(static_cast<const int32_t*>(plan.row_ptr.data()), Hkv, int32_t(rows), plan.q_per_cta, schedule_capacity,
-              static_cast<const int32_t*>(plan.rows.data()), static_cast<int32_t*>(plan.schedule.data()),
+              static_cast<const int32_t*>(plan.rows.data()), static_cast<WorkItem*>(plan.schedule.data()),
               static_cast<int32_t*>(plan.work_count_dev.data()), i32(state->schedule_full), nullptr, nullptr, nullptr,
               s);
   build_items(static_cast<const int32_t*>(plan.row_ptr.data()), Hkv, int32_t(rows), kChunkQueries,
-              state->chunk_capacity, static_cast<const int32_t*>(plan.rows.data()), i32(state->chunks),
+              state->chunk_capacity, static_cast<const int32_t*>(plan.rows.data()),
+              static_cast<WorkItem*>(state->chunks.data()),
               i32(state->chunk_count), nullptr, i32(state->chunk_first), i32(state->chunk_nfull),
               i32(state->chunk_tail), s);
 

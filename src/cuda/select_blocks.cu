@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <numeric>
 
+#include "attention_state.h"
 #include "backend.h"
 #include "cuda/common.cuh"
 #include "cuda/device.cuh"
@@ -50,25 +51,6 @@ struct IndexerArgs {
 };
 
 __device__ __forceinline__ float nan_max(float m, float x) { return (x > m || x != x) ? x : m; }
-
-// Running log-sum-exp of block LSEs with the CPU's rules for NaN and infinities.
-struct LseAcc {
-  float m = -INFINITY, s = 0.f;
-  bool nan = false, pinf = false;
-  __device__ void add(float v) {
-    if (v != v) { nan = true; return; }
-    if (v == INFINITY) { pinf = true; return; }
-    if (v == -INFINITY) return;
-    if (v > m) { s = s * exp2f((m - v) * 1.4426950408889634f) + 1.f; m = v; }
-    else s += exp2f((v - m) * 1.4426950408889634f);
-  }
-  __device__ float result() const {
-    if (nan) return NAN;
-    if (pinf) return INFINITY;
-    if (m == -INFINITY) return -INFINITY;
-    return m + logf(s);
-  }
-};
 
 __global__ void __launch_bounds__(kThreads, 1) select_blocks_kernel(const IndexerArgs a, const IndexerDocs docs) {
   extern __shared__ __align__(128) unsigned char smem[];
@@ -126,7 +108,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_blocks_kernel(const Indexe
   for (int i = 0; i < kList; ++i) { sc[i] = -INFINITY; bl[i] = -INFINITY; id[i] = -1; }
   int count = 0;
   float threshold = -INFINITY;  // score of the last ranked entry once the list is full
-  LseAcc lse_acc;
+  LogSumExp lse_acc;  // of the selected blocks' LSEs (the IEEE rules of src/attention_state.h)
 
   const int pa = pos0 + wq0 + (lane >> 2), pb = pa + 8;
   uint32_t af[8][4];

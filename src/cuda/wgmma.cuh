@@ -47,8 +47,8 @@ __device__ __forceinline__ void wgmma_wait() {
 // before later reads by the tensor cores; follow with a barrier.
 __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// Barrier of the 128 threads of warpgroup `wg` (named barriers 1.., 0 is __syncthreads).
-__device__ __forceinline__ void warpgroup_barrier(int wg) { asm volatile("bar.sync %0, 128;\n" ::"r"(1 + wg) : "memory"); }
+// Barrier of the 128 threads of one warpgroup on named barrier `id` (named_barriers.cuh).
+__device__ __forceinline__ void warpgroup_barrier(int id) { asm volatile("bar.sync %0, 128;\n" ::"r"(id) : "memory"); }
 
 // d (64 x 128) = (accumulate ? d : 0) + A (64 x 16) B^T (B: 128 x 16).
 __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[16][4], uint64_t da, uint64_t db, int accumulate) {
