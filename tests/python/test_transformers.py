@@ -319,3 +319,29 @@ def test_transformers_indexer_is_slot_anchored_under_left_padding():
                 for q, r in enumerate(sel)]
 
     assert tokens_seen(shifted, pad) != tokens_seen(plain, 0)
+
+
+def test_layout_of_padded_cached_and_packed_batches():
+    """The packed layout the attention function builds: documents, bottom-right aligned queries."""
+    build = msa_hf._build_layout
+    # no padding, no cache: a reshape, one document per row
+    lay = build(None, torch.arange(5)[None], False, None, 2, 5, 5, "cpu")
+    assert lay.q_rows is None and lay.cu_q.tolist() == [0, 5, 10] and lay.cu_k.tolist() == [0, 5, 10]
+    # packed: positions restarting split the row, still a reshape
+    lay = build(None, torch.tensor([[0, 1, 2, 0, 1]]), False, None, 1, 5, 5, "cpu")
+    assert lay.q_rows is None and lay.cu_q.tolist() == [0, 3, 5]
+    # decode after left padding: row 1 has 2 pad slots; one query per row at the end
+    pad = torch.tensor([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]], dtype=torch.bool)
+    lay = build(pad, torch.tensor([[4], [2]]), True, None, 2, 1, 5, "cpu")
+    assert lay.cu_q.tolist() == [0, 1, 2] and lay.cu_k.tolist() == [0, 5, 8]
+    assert lay.k_slots.tolist() == [0, 1, 2, 3, 4, 2, 3, 4] and lay.q_slots.tolist() == [0, 0]
+    # static cache: 8 slots, 3 filled after this 1-token step; unfilled slots are not keys
+    filled = torch.tensor([3])
+    lay = build(None, torch.tensor([[2]]), True, filled, 1, 1, 8, "cpu")
+    assert lay.cu_k.tolist() == [0, 3] and lay.k_slots.tolist() == [0, 1, 2]
+    # right padding in prefill: padded queries are left out (their output rows stay 0)
+    pad = torch.tensor([[1, 1, 1, 0]], dtype=torch.bool)
+    lay = build(pad, torch.arange(4)[None], False, None, 1, 4, 4, "cpu")
+    assert lay.cu_q.tolist() == [0, 3] and lay.q_slots.tolist() == [0, 1, 2]
+    with pytest.raises(msa.InvalidArgumentError, match="jump"):
+        build(None, torch.tensor([[0, 1, 2, 0, 1]]), True, None, 1, 5, 5, "cpu")

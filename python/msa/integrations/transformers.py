@@ -153,8 +153,9 @@ def _host(t):
 def _build_layout(padding, position_ids, has_cache, filled, batch, q_len, k_len, device) -> _Layout:
     """Documents of the batch. Row b's real keys (padding mask, limited to the filled part of a
     static cache) must be one contiguous run; its queries are the last q_len filled slots and
-    sit at the bottom right of their document. Without a padding mask and a cache, position_ids
-    restarting at 0 split a row into packed documents (as transformers' SDPA mask does)."""
+    sit at the bottom right of their document, whose blocks start at its first real token.
+    Without a padding mask and a cache, position_ids that do not step by 1 split a row into
+    packed documents (transformers' rule for its SDPA mask); elsewhere they must step by 1."""
     length = k_len if filled is None else int(filled.reshape(-1)[0].item())
     if length < q_len or length > k_len:
         raise _error(f"msa: the cache holds {length} tokens after this step but the step has {q_len} queries and the "
@@ -182,9 +183,8 @@ def _build_layout(padding, position_ids, has_cache, filled, batch, q_len, k_len,
                 identity = False
         bounds = [start, end]
         if packing:
-            p = pos[b]
-            restarts = [i for i in range(max(start, 1), end) if p[i] != p[i - 1] + 1]
-            bounds = [start] + restarts + [end]
+            restarts = np.flatnonzero(np.diff(pos[b, start:end]) != 1) + start + 1
+            bounds = [start] + restarts.tolist() + [end]
         for a, e in zip(bounds[:-1], bounds[1:]):
             q0 = max(a, past)
             if q0 >= e:
@@ -209,7 +209,7 @@ def _build_layout(padding, position_ids, has_cache, filled, batch, q_len, k_len,
     if cu_q[-1] == 0:
         raise _error("msa: the batch has no real query token (all-padding attention_mask)")
     cu_q, cu_k = np.asarray(cu_q, np.int32), np.asarray(cu_k, np.int32)
-    if identity and length == k_len and len(cu_q) == batch + 1:
+    if identity and length == k_len:  # every row whole: packing is a reshape (documents or not)
         return _Layout(cu_q, cu_k, None, None, None, None, int(cu_q[-1]))
 
     def idx(parts):
