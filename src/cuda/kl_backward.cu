@@ -102,22 +102,24 @@ struct KlChunks {
   __device__ void masked_block_ready(const Chunk&) { ik_dq = finite_copy<kBlockSize>(iks, ikfs) ? ikfs : iks; }
 
   // Teacher of warp w's query: column sums of exp(S scale - lse) over its 16 heads, visible
-  // keys only (selected, never multiplied: S may be NaN on a masked key). Branch-free, so that
-  // the shuffles below run outside divergent code.
+  // keys only (selected, never multiplied: S may be NaN on a masked key). Branch-free: the
+  // exponentials are not duplicated per condition and the shuffles stay out of divergent code.
   __device__ void teacher_row(const Chunk& ch, uint32_t qs, const QueryMeta& m) {
     float s[16][4], colsum[16][2];
     wgmma_rows_x128(s, qs, kSubRows, 64 * (warp >> 2), ks, kBlockSize, 0);
     const int row = m.row, limit = row >= 0 ? m.limit : -1;  // an empty slot sees no key
     const int64_t hrow = int64_t(max(row, 0)) * a.Hq + kGroupSize * ch.head_kv + r0;
     const float lse_a = row >= 0 ? a.lse[hrow] : -INFINITY, lse_b = row >= 0 ? a.lse[hrow + 8] : -INFINITY;
-    const float la = lse_a * math::kLog2e, lb = lse_b * math::kLog2e;
+    // A head whose LSE is -inf has no keys: exp2(x - inf) = 0.
+    const float la = lse_a == -INFINITY ? INFINITY : lse_a * math::kLog2e;
+    const float lb = lse_b == -INFINITY ? INFINITY : lse_b * math::kLog2e;
 #pragma unroll
     for (int nt = 0; nt < 16; ++nt)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const bool vis = nt * 8 + 2 * t + e <= limit;
         const float pa = fast_exp2(s[nt][e] * a.scale_log2 - la), pb = fast_exp2(s[nt][2 + e] * a.scale_log2 - lb);
-        colsum[nt][e] = (vis && la != -INFINITY ? pa : 0.f) + (vis && lb != -INFINITY ? pb : 0.f);
+        colsum[nt][e] = vis ? pa + pb : 0.f;
       }
 #pragma unroll
     for (int nt = 0; nt < 16; ++nt)
