@@ -3,6 +3,7 @@
 // PagedKvCache that every backend reads the same way.
 #pragma once
 
+#include "msa/constants.h"
 #include "msa/inference.h"
 
 namespace msa {
@@ -29,10 +30,14 @@ inline MergeStatesParams split_merge_params(const InferencePlan& plan, const Pag
   return merge;
 }
 
-inline constexpr int kPageSize = 128;
-inline constexpr int kHeadDim = 128;
-inline constexpr int kTopk = 16;
-inline constexpr int kNvfp4GroupSize = 16;  // elements per E4M3 block scale
+// The model constants under the names src/core/inference*.cpp use (aliases of msa::model's).
+using model::kHeadDim;
+using model::kPageSize;
+using model::kTopk;
+
+inline constexpr int kNvfp4GroupSize = 16;                          // elements per E4M3 block scale
+inline constexpr int kNvfp4RowBytes = model::kHeadDim / 2;          // two E2M1 codes a byte
+inline constexpr int kNvfp4RowScales = model::kHeadDim / kNvfp4GroupSize;  // block scales per 128-row
 
 namespace cpu {
 void rms_norm_rope(const RmsNormRopeParams&, const RunOptions&);

@@ -4,8 +4,8 @@
 // partial state per group and merges them by LSE (merge_states).
 #include <algorithm>
 #include <cmath>
-#include <limits>
 
+#include "attention_state.h"
 #include "backend.h"
 #include "cpu/inference/common.h"
 #include "cpu/simd.h"
@@ -15,63 +15,64 @@ namespace msa::cpu {
 namespace {
 
 using namespace inference;
+using model::kHeadDim;
+using model::kPageSize;
+using model::kTopk;
 
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-// Online-softmax state of the heads of one group over a set of pages.
+// Online-softmax state of the heads of one group over a set of pages: per head a SoftmaxState
+// (src/attention_state.h, logits in log2 units) and its unnormalised output.
 struct GroupState {
-  float* m;    // [G] running max of the logits
-  float* l;    // [G] running sum of exp(logit - m)
-  float* acc;  // [G, 128] running sum of exp(logit - m) * v
+  SoftmaxState* state;  // [G]
+  float* acc;           // [G, 128] running sum of 2^(x - m) * v
   int heads;
 
   void reset() {
-    std::fill(m, m + heads, kNegInf);
-    std::fill(l, l + heads, 0.0f);
+    std::fill(state, state + heads, SoftmaxState::empty());
     std::fill(acc, acc + int64_t(heads) * kHeadDim, 0.0f);
   }
 
-  // Adds n keys (kt: transposed keys [128 dims, 128 tokens] with zero tokens past n,
-  // v: rows [n, 128]) to every head. z: [G, 128] scratch.
+  // Adds the keys t < n of a page (kt: transposed keys [128 dims, 128 tokens] with zero
+  // tokens past n, v: rows [n, 128]) to every head; tokens past n are never read from z or v,
+  // so whatever the cache holds there cannot reach the state. z: [G, 128] scratch.
   void add(const float* q, const float* kt, const float* v, int n, float scale, float* z) {
     gemm<false>(heads, kPageSize, kHeadDim, q, kHeadDim, 1, kt, kPageSize, z, kPageSize);  // z = q . k
+    const float scale_log2 = scale * math::kLog2e;
     for (int h = 0; h < heads; ++h) {
       float* zh = z + int64_t(h) * kPageSize;
-      float block_max = kNegInf;
+      SoftmaxState page = SoftmaxState::empty();  // the page's terms, at the page max
       for (int t = 0; t < n; ++t) {
-        zh[t] *= scale;
-        block_max = std::max(block_max, zh[t]);
+        zh[t] *= scale_log2;
+        page.m = state_math::max(page.m, zh[t]);
       }
-      const float new_m = std::max(m[h], block_max);
-      if (new_m == kNegInf) {  // only -inf logits: nothing to add
+      const float new_m = state_math::max(state[h].m, page.m);
+      if (!(new_m > -state_math::kInf)) {  // only -inf logits: nothing to add
         std::fill(zh, zh + n, 0.0f);
         continue;
       }
-      const float alpha = std::exp(m[h] - new_m);  // 0 while the state is empty
-      float* a = acc + int64_t(h) * kHeadDim;
-      for (int d = 0; d < kHeadDim; ++d) a[d] *= alpha;
-      float sum = l[h] * alpha;
       for (int t = 0; t < n; ++t) {
-        zh[t] = std::exp(zh[t] - new_m);
-        sum += zh[t];
+        zh[t] = state_math::exp2(zh[t] - new_m);  // p at the new common max
+        page.d += zh[t];
       }
-      l[h] = sum;
-      m[h] = new_m;
+      page.m = new_m;
+      // The running state joins the page's at their common max (0 weight while empty).
+      const Rescale r = state[h].merge(page);
+      float* a = acc + int64_t(h) * kHeadDim;
+      for (int d = 0; d < kHeadDim; ++d) a[d] *= r.self;
     }
     gemm<true>(heads, kHeadDim, n, z, kPageSize, 1, v, kHeadDim, acc, kHeadDim);  // acc += p . v
   }
 
-  // Normalised output and natural-log LSE of head h; empty states give 0 and -inf.
+  // Normalised output and natural-log LSE of head h; a state that is not valid (empty) gives
+  // 0 and -inf.
   void finish(int h, float* out, float* lse) const {
     const float* a = acc + int64_t(h) * kHeadDim;
-    if (l[h] > 0) {
-      const float inv = 1.0f / l[h];
+    if (state[h].valid()) {
+      const float inv = state[h].inverse_sum();
       for (int d = 0; d < kHeadDim; ++d) out[d] = a[d] * inv;
-      *lse = m[h] + std::log(l[h]);
     } else {
       std::fill(out, out + kHeadDim, 0.0f);
-      *lse = kNegInf;
     }
+    *lse = state[h].lse();
   }
 };
 
@@ -102,8 +103,10 @@ void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, c
     float* key_rows = v + int64_t(kPageSize) * kHeadDim;  // [128, 128] work space
     float* out_row = key_rows + int64_t(kPageSize) * kHeadDim;  // [128]
     float* z = out_row + kHeadDim;                       // [G, 128]
-    float* m = z + int64_t(G) * kPageSize;               // [G]
-    GroupState state{m, m + G, m + 2 * G, G};            // acc: [G, 128]
+    // Per head a SoftmaxState (2 floats, the "2 * group" of inference_scratch_f32), then acc.
+    float* states = z + int64_t(G) * kPageSize;
+    static_assert(sizeof(SoftmaxState) == 2 * sizeof(float) && alignof(SoftmaxState) == alignof(float));
+    GroupState state{reinterpret_cast<SoftmaxState*>(states), states + 2 * G, G};  // acc: [G, 128]
 
 #pragma omp for schedule(dynamic)
     for (int64_t item = 0; item < T * Hkv; ++item) {

@@ -12,6 +12,11 @@
 
 namespace msa::cpu::inference {
 
+// The model constants (include/msa/constants.h).
+using model::kHeadDim;
+using model::kPageSize;
+using model::kTopk;
+
 // E2M1 magnitudes by the low 3 bits of a code; bit 3 is the sign.
 inline constexpr float kE2m1Values[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
 

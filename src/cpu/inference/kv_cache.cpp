@@ -50,7 +50,7 @@ class KvRowWriter {
       case KvFormat::nvfp4: {
         uint8_t* d = side_.data.as<uint8_t>() + base;
         uint8_t* sf = side_.block_scale.as<uint8_t>() + offset4(side_.block_scale, page, head, offset);
-        for (int g = 0; g < kHeadDim / kNvfp4GroupSize; ++g) {
+        for (int g = 0; g < kNvfp4RowScales; ++g) {
           float y[kNvfp4GroupSize], amax = 0;
           for (int i = 0; i < kNvfp4GroupSize; ++i) {
             y[i] = x[g * kNvfp4GroupSize + i] / side_.tensor_scale;

@@ -12,6 +12,9 @@ namespace {
 using namespace inference;
 
 constexpr int kWarps = 8;
+constexpr int kLaneElements = kHeadDim / 32;                      // a lane's consecutive elements
+constexpr int kLanesPerGroup = kNvfp4GroupSize / kLaneElements;   // lanes of an NVFP4 group (a quad)
+static_assert(kLaneElements == 4 && kLanesPerGroup == 4, "load_row4: 4 elements a lane, a quad per NVFP4 group");
 
 struct CacheSide {
   uint8_t* data;             // element type by format
@@ -51,7 +54,7 @@ __device__ __forceinline__ void write_main(const CacheSide& c, KvFormat format, 
   const int64_t base = page * c.s0 + int64_t(head) * c.s1 + int64_t(offset) * c.s2;
   switch (format) {
     case KvFormat::bf16: {
-      uint16_t* d = reinterpret_cast<uint16_t*>(c.data) + base + lane * 4;
+      uint16_t* d = reinterpret_cast<uint16_t*>(c.data) + base + lane * kLaneElements;
 #pragma unroll
       for (int i = 0; i < 4; ++i) d[i] = __bfloat16_as_ushort(__float2bfloat16_rn(x[i]));
       return;
@@ -67,7 +70,7 @@ __device__ __forceinline__ void write_main(const CacheSide& c, KvFormat format, 
         scale = amax > 0.0f ? __fdiv_rn(amax, 448.0f) : 1.0f;
         if (lane == 0) c.token_scale[head * c.token_stride + page * kPageSize + offset] = scale;
       }
-      uint8_t* d = c.data + base + lane * 4;
+      uint8_t* d = c.data + base + lane * kLaneElements;
       uint32_t packed = 0;
 #pragma unroll
       for (int i = 0; i < 4; ++i) packed |= uint32_t(f32_to_e4m3(__fdiv_rn(x[i], scale))) << (8 * i);
@@ -90,11 +93,11 @@ __device__ __forceinline__ void write_main(const CacheSide& c, KvFormat format, 
       uint32_t q[4];
 #pragma unroll
       for (int i = 0; i < 4; ++i) q[i] = scale > 0.0f ? f32_to_e2m1(__fdiv_rn(y[i], scale)) : 0u;
-      uint8_t* d = c.data + base + lane * 2;
+      uint8_t* d = c.data + base + lane * (kLaneElements / 2);
       d[0] = uint8_t(q[0] | (q[1] << 4));
       d[1] = uint8_t(q[2] | (q[3] << 4));
-      if ((lane & 3) == 0)
-        c.block_scale[page * c.bs0 + int64_t(head) * c.bs1 + int64_t(offset) * c.bs2 + lane / 4] = scale_code;
+      if (lane % kLanesPerGroup == 0)
+        c.block_scale[page * c.bs0 + int64_t(head) * c.bs1 + int64_t(offset) * c.bs2 + lane / kLanesPerGroup] = scale_code;
       return;
     }
   }
@@ -131,7 +134,7 @@ __global__ void __launch_bounds__(kWarps * 32) insert_kv_kernel(const InsertArgs
       load_weight4(a.ik_norm, a.ik_norm_f32, lane, w1p);
       norm_rope_warp(x, w1p, a.rope, a.rotary_dim, a.eps, pos, work[warp], lane);
     }
-    const int64_t base = page * a.ic_s0 + int64_t(offset) * a.ic_s1 + lane * 4;
+    const int64_t base = page * a.ic_s0 + int64_t(offset) * a.ic_s1 + lane * kLaneElements;
     if (a.index_fp8) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) a.index_cache[base + i] = f32_to_e4m3(x[i]);

@@ -11,6 +11,7 @@ namespace {
 using namespace inference;
 
 constexpr int kThreads = 256;
+constexpr int kGroupBytes = kNvfp4GroupSize / 2;  // packed bytes of a group (two codes a byte)
 constexpr int kHostIdsPerLaunch = 512;  // page ids from a host tensor travel as kernel arguments
 
 struct ConvertArgs {
@@ -30,19 +31,19 @@ struct ConvertArgs {
 
 __global__ void __launch_bounds__(kThreads) nvfp4_to_fp8_kernel(const ConvertArgs a) {
   const int64_t i = int64_t(blockIdx.x) * kThreads + threadIdx.x;
-  const int64_t per_page = a.hkv * kPageSize * 8;
+  const int64_t per_page = a.hkv * kPageSize * kNvfp4RowScales;  // one thread per group
   if (i >= a.count * per_page) return;
   const int64_t local = i / per_page, rest = i % per_page;
-  const int64_t h = rest / (kPageSize * 8);
-  const int t = int(rest / 8 % kPageSize), grp = int(rest % 8);
+  const int64_t h = rest / (kPageSize * kNvfp4RowScales);
+  const int t = int(rest / kNvfp4RowScales % kPageSize), grp = int(rest % kNvfp4RowScales);
   const int64_t dst = a.first + local;
   const int64_t src = a.host_ids ? a.host[local] : a.ids ? a.ids[dst] : dst;
   if (src < 0) return;
-  const uint8_t* codes = a.packed + src * a.p0 + h * a.p1 + t * a.p2 + grp * 8;
+  const uint8_t* codes = a.packed + src * a.p0 + h * a.p1 + t * a.p2 + grp * kGroupBytes;
   const float scale = e4m3_to_f32(a.scale[src * a.s0 + h * a.s1 + t * a.s2 + grp]);
-  uint8_t* o = a.out + dst * a.o0 + h * a.o1 + t * a.o2 + grp * 16;
+  uint8_t* o = a.out + dst * a.o0 + h * a.o1 + t * a.o2 + grp * kNvfp4GroupSize;
 #pragma unroll
-  for (int b = 0; b < 8; ++b) {
+  for (int b = 0; b < kGroupBytes; ++b) {
     const uint32_t byte = codes[b];
     o[2 * b] = nvfp4_to_e4m3(byte & 0xfu, scale);
     o[2 * b + 1] = nvfp4_to_e4m3(byte >> 4, scale);
@@ -80,7 +81,7 @@ void nvfp4_to_fp8(const Nvfp4ToFp8Params& p, const RunOptions& opt) {
       const int32_t* ids = p.page_ids.as<const int32_t>();
       for (int64_t i = 0; i < a.count; ++i) a.host[i] = ids[(first + i) * p.page_ids.stride[0]];
     }
-    const int64_t threads = a.count * a.hkv * kPageSize * 8;
+    const int64_t threads = a.count * a.hkv * kPageSize * kNvfp4RowScales;
     if (threads == 0) continue;
     nvfp4_to_fp8_kernel<<<unsigned(ceil_div(threads, kThreads)), kThreads, 0, stream>>>(a);
     MSA_CUDA_CHECK_LAUNCH("nvfp4_to_fp8_kernel");

@@ -17,7 +17,9 @@
 // the kw partial states of a row are merged in shared memory; splits > 1 write normalised
 // partial states that merge_states combines by LSE.
 #include <algorithm>
+#include <cstddef>
 
+#include "attention_state.h"
 #include "backend.h"
 #include "core/check.h"
 #include "cuda/device.cuh"
@@ -28,11 +30,27 @@ namespace msa::cuda {
 namespace {
 
 using namespace inference;
+using model::kGroupSize;
+using model::kHeadDim;
+using model::kPageSize;
+using model::kTopk;
 
-constexpr int kGroup = 16;          // query heads per KV head
-constexpr int kMaxEntries = 256;    // rows x slots per split
-constexpr int kQTileBytes = kGroup * kHeadDim * 2;
-constexpr int kTileBytes = kPageSize * kHeadDim * 2;  // one bf16 [128, 128] tile
+constexpr int kMaxTileRows = 16;                    // query rows of a CTA (decode Q <= 16, prefill 16)
+constexpr int kMaxEntries = kMaxTileRows * kTopk;   // (row, slot) selections of a CTA in one split
+constexpr int kChunk = 16;                          // bytes of one cp.async / ld.shared.v4
+constexpr int kBf16RowChunks = kHeadDim * 2 / kChunk;      // 16-byte chunks of a bf16 128-row
+constexpr int kFp8RowChunks = kHeadDim / kChunk;           // ... of an E4M3 row
+constexpr int kFp4RowChunks = kNvfp4RowBytes / kChunk;     // ... of an NVFP4 row (two codes a byte)
+
+// A [Rows, 128] bf16 tile in the swizzled layout of tile_offset (device.cuh).
+template <int Rows>
+struct Bf16Tile {
+  uint8_t bytes[Rows * kHeadDim * 2];
+};
+using PageTile = Bf16Tile<kPageSize>;  // one side (K or V) of a page
+using QTile = Bf16Tile<kGroupSize>;    // the 16 query heads of a row
+constexpr int kPageTileBytes = int(sizeof(PageTile));
+constexpr int kQTileBytes = int(sizeof(QTile));
 
 struct AttnArgs {
   const __nv_bfloat16* q;
@@ -70,33 +88,104 @@ struct AttnArgs {
 
 __device__ __forceinline__ int64_t min64(int64_t x, int64_t y) { return x < y ? x : y; }
 
+// One page of the cache (K and V of one KV head) as it arrives from global memory: side 0 = K,
+// side 1 = V. bf16 rows land directly in the swizzled tiles the MMAs read; FP8 / NVFP4 codes
+// land row-major and are widened into PageTiles afterwards.
 template <KvFormat F>
-struct Layout {
-  static constexpr int kStageBytes = F == KvFormat::bf16 ? 2 * kTileBytes
-                                     : F == KvFormat::fp8_e4m3 ? 2 * kPageSize * kHeadDim
-                                                               : 2 * kPageSize * kHeadDim / 2 + 2 * kPageSize * 8;
-  static constexpr int kTiles = F == KvFormat::bf16 ? 0 : 2 * kStageBytes;  // converted K, V tiles
-  static constexpr int kQ = kTiles + (F == KvFormat::bf16 ? 2 * kStageBytes : 2 * kTileBytes);
+struct KvStage;
+template <>
+struct KvStage<KvFormat::bf16> {
+  PageTile side[2];
+  // Byte offset of 16-byte chunk c of row t of a side.
+  static __device__ __forceinline__ uint32_t chunk(int side, int t, int c) {
+    return side * kPageTileBytes + tile_offset(kPageSize, t, c);
+  }
+};
+template <>
+struct KvStage<KvFormat::fp8_e4m3> {
+  uint8_t codes[2][kPageSize][kHeadDim];
+  static __device__ __forceinline__ uint32_t chunk(int side, int t, int c) {
+    return side * (kPageSize * kHeadDim) + t * kHeadDim + c * kChunk;
+  }
+};
+template <>
+struct KvStage<KvFormat::nvfp4> {
+  uint8_t codes[2][kPageSize][kNvfp4RowBytes];
+  uint8_t block_scales[2][kPageSize][kNvfp4RowScales];  // one 8-byte copy a row
+  static __device__ __forceinline__ uint32_t chunk(int side, int t, int c) {
+    return side * (kPageSize * kNvfp4RowBytes) + t * kNvfp4RowBytes + c * kChunk;
+  }
+  static __device__ __forceinline__ uint32_t scales(int side, int t) {
+    return int(offsetof(KvStage, block_scales)) + side * (kPageSize * kNvfp4RowScales) + t * kNvfp4RowScales;
+  }
+};
+static_assert(kNvfp4RowScales == 8, "an NVFP4 row's block scales are one 8-byte copy");
+
+// The page loop's buffers: two stages (the next page in flight while the current one is
+// used), the bf16 K and V tiles widened from a quantised stage, and one query tile per warp
+// (a CTA has at most as many rows as warps).
+template <int NW, KvFormat F>
+struct PageBuffers {
+  KvStage<F> stage[2];
+  PageTile converted[2];
+  QTile q[NW];
+};
+template <int NW>
+struct PageBuffers<NW, KvFormat::bf16> {  // the MMAs read the stage itself
+  KvStage<KvFormat::bf16> stage[2];
+  QTile q[NW];
 };
 
-template <int NW>
-constexpr int merge_bytes() { return NW * (kGroup * kHeadDim + 2 * kGroup) * 4; }
+// A warp's online-softmax state of its 16 heads (SoftmaxState {m, l} and the unnormalised
+// output of src/attention_state.h), written for the merge of the kw warps of a row.
+struct WarpState {
+  float o[kGroupSize][kHeadDim];  // sum of 2^(x - m) v
+  float m[kGroupSize];            // running max of the logits x (log2 units); -inf: empty
+  float l[kGroupSize];            // sum of 2^(x - m)
+};
 
-struct Control {
-  float ks[kPageSize], vs[kPageSize];
-  int32_t ent_req[kMaxEntries], ent_id[kMaxEntries], ent_first[kMaxEntries], ent_uidx[kMaxEntries];
-  int32_t uq_phys[kMaxEntries], uq_id[kMaxEntries], uq_nmax[kMaxEntries];
-  uint32_t uq_mask[kMaxEntries];
+// The distinct pages of the tile's selections in one split. Entry e = (row e / slots, slot
+// e % slots) of the tile; unique page u in order of first appearance.
+struct PageSet {
+  float k_token_scale[kPageSize], v_token_scale[kPageSize];  // per-token scales of the page in use
+  int32_t entry_request[kMaxEntries];  // -1: the entry selects nothing
+  int32_t entry_page[kMaxEntries];     // logical page id
+  int32_t entry_first[kMaxEntries];    // 1 when the entry is its page's first appearance
+  int32_t entry_unique[kMaxEntries];   // unique index of a first entry
+  int32_t page_physical[kMaxEntries];
+  int32_t page_logical[kMaxEntries];
+  int32_t page_tokens[kMaxEntries];    // tokens read: the most any selecting row sees
+  uint32_t page_rows[kMaxEntries];     // bit r: tile row r selected the page
   int32_t count;
 };
 
+// Shared memory of paged_attention_kernel (from a 1024-byte aligned base): the page loop's
+// buffers, reused for the merge of the warp states once the loop is over, then the page set.
 template <int NW, KvFormat F>
-constexpr int main_bytes() {
-  return std::max(Layout<F>::kQ + NW * kQTileBytes, merge_bytes<NW>());
+struct SharedStorage {
+  union {
+    PageBuffers<NW, F> pages;
+    WarpState merge[NW];
+  };
+  PageSet set;
+};
+
+// Every swizzled tile starts at a multiple of 1024 bytes of the aligned base.
+template <int NW, KvFormat F>
+constexpr bool tiles_aligned() {
+  using P = PageBuffers<NW, F>;
+  using S = SharedStorage<NW, F>;
+  bool ok = offsetof(S, pages) == 0 && sizeof(KvStage<F>) % 1024 == 0 && offsetof(P, q) % 1024 == 0 && sizeof(QTile) % 1024 == 0;
+  if constexpr (F != KvFormat::bf16) ok = ok && offsetof(P, converted) % 1024 == 0 && sizeof(PageTile) % 1024 == 0;
+  return ok;
 }
 
 template <int NW, KvFormat F>
-constexpr int smem_bytes() { return 1024 + main_bytes<NW, F>() + int(sizeof(Control)); }
+constexpr int smem_bytes() {
+  static_assert(tiles_aligned<NW, F>(), "paged_attention_kernel: swizzled tiles must be 1024-byte aligned");
+  return 1024 + int(sizeof(SharedStorage<NW, F>));
+}
+
 
 __device__ __forceinline__ void st_shared_v4(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
   asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
@@ -107,52 +196,43 @@ __device__ __forceinline__ uint2 ld_shared_v2(uint32_t addr) {
   return v;
 }
 
-// Issues the copies of one page (both sides) into a stage; rows t >= nmax are zero-filled.
+// Issues the copies of one page (both sides) into a stage; rows t >= nmax are zero-filled, so
+// no slot past the tile's causal limit (or past seq_len) is ever read.
 template <int NT, KvFormat F>
 __device__ __forceinline__ void issue_page(const AttnArgs& a, uint32_t stage, int32_t phys, int g, int nmax) {
+  using Stage = KvStage<F>;
+  constexpr int kRowChunks = F == KvFormat::bf16 ? kBf16RowChunks : F == KvFormat::fp8_e4m3 ? kFp8RowChunks : kFp4RowChunks;
   const int tid = threadIdx.x;
   const uint8_t* kp = a.k + phys * a.k_s0 + g * a.k_s1;
   const uint8_t* vp = a.v + phys * a.v_s0 + g * a.v_s1;
-  if constexpr (F == KvFormat::bf16) {
-    for (int i = tid; i < 2 * kPageSize * 16; i += NT) {
-      const int side = i / (kPageSize * 16), t = (i / 16) % kPageSize, c = i % 16;
-      const bool ok = t < nmax;
-      const uint8_t* src = side ? vp + t * a.v_s2 : kp + t * a.k_s2;
-      cp_async16(stage + side * kTileBytes + tile_offset(kPageSize, t, c), ok ? src + c * 16 : kp, ok ? 16 : 0);
-    }
-  } else if constexpr (F == KvFormat::fp8_e4m3) {
-    for (int i = tid; i < 2 * kPageSize * 8; i += NT) {
-      const int side = i / (kPageSize * 8), t = (i / 8) % kPageSize, c = i % 8;
-      const bool ok = t < nmax;
-      const uint8_t* src = side ? vp + t * a.v_s2 : kp + t * a.k_s2;
-      cp_async16(stage + side * (kPageSize * 128) + t * 128 + c * 16, ok ? src + c * 16 : kp, ok ? 16 : 0);
-    }
-  } else {
-    for (int i = tid; i < 2 * kPageSize * 4; i += NT) {
-      const int side = i / (kPageSize * 4), t = (i / 4) % kPageSize, c = i % 4;
-      const bool ok = t < nmax;
-      const uint8_t* src = side ? vp + t * a.v_s2 : kp + t * a.k_s2;
-      cp_async16(stage + side * (kPageSize * 64) + t * 64 + c * 16, ok ? src + c * 16 : kp, ok ? 16 : 0);
-    }
+  for (int i = tid; i < 2 * kPageSize * kRowChunks; i += NT) {
+    const int side = i / (kPageSize * kRowChunks), t = (i / kRowChunks) % kPageSize, c = i % kRowChunks;
+    const bool ok = t < nmax;
+    const uint8_t* src = side ? vp + t * a.v_s2 : kp + t * a.k_s2;
+    cp_async16(stage + Stage::chunk(side, t, c), ok ? src + c * kChunk : kp, ok ? kChunk : 0);
+  }
+  if constexpr (F == KvFormat::nvfp4) {
+    constexpr int kScaleBytes = kNvfp4RowScales;
     const uint8_t* ks = a.ksf + phys * a.ksf_s0 + g * a.ksf_s1;
     const uint8_t* vs = a.vsf + phys * a.vsf_s0 + g * a.vsf_s1;
     for (int i = tid; i < 2 * kPageSize; i += NT) {
       const int side = i / kPageSize, t = i % kPageSize;
       const bool ok = t < nmax;
       const uint8_t* src = side ? vs + t * a.vsf_s2 : ks + t * a.ksf_s2;
-      cp_async8(stage + 2 * kPageSize * 64 + side * (kPageSize * 8) + t * 8, ok ? src : ks, ok ? 8 : 0);
+      cp_async8(stage + Stage::scales(side, t), ok ? src : ks, ok ? kScaleBytes : 0);
     }
   }
 }
 
-// Widens a quantised stage into the bf16 K and V tiles.
+// Widens a quantised stage into the bf16 K and V tiles (`tiles`: the converted PageTile pair).
 template <int NT, KvFormat F>
 __device__ __forceinline__ void convert_page(uint32_t stage, uint32_t tiles) {
+  using Stage = KvStage<F>;
   const int tid = threadIdx.x;
   if constexpr (F == KvFormat::fp8_e4m3) {
-    for (int i = tid; i < 2 * kPageSize * 8; i += NT) {
-      const int side = i / (kPageSize * 8), t = (i / 8) % kPageSize, c = i % 8;
-      const uint4 raw = ld_shared_v4(stage + side * (kPageSize * 128) + t * 128 + c * 16);
+    for (int i = tid; i < 2 * kPageSize * kFp8RowChunks; i += NT) {
+      const int side = i / (kPageSize * kFp8RowChunks), t = (i / kFp8RowChunks) % kPageSize, c = i % kFp8RowChunks;
+      const uint4 raw = ld_shared_v4(stage + Stage::chunk(side, t, c));
       const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
       uint32_t o[8];
 #pragma unroll
@@ -160,15 +240,16 @@ __device__ __forceinline__ void convert_page(uint32_t stage, uint32_t tiles) {
         o[2 * j] = bf16x2_bits(e4m3_to_f32(uint8_t(w[j])), e4m3_to_f32(uint8_t(w[j] >> 8)));
         o[2 * j + 1] = bf16x2_bits(e4m3_to_f32(uint8_t(w[j] >> 16)), e4m3_to_f32(uint8_t(w[j] >> 24)));
       }
-      const uint32_t tile = tiles + side * kTileBytes;
+      const uint32_t tile = tiles + side * kPageTileBytes;  // 16 codes -> bf16 chunks 2c, 2c + 1
       st_shared_v4(tile + tile_offset(kPageSize, t, 2 * c), o[0], o[1], o[2], o[3]);
       st_shared_v4(tile + tile_offset(kPageSize, t, 2 * c + 1), o[4], o[5], o[6], o[7]);
     }
   } else if constexpr (F == KvFormat::nvfp4) {
-    for (int i = tid; i < 2 * kPageSize * 4; i += NT) {
-      const int side = i / (kPageSize * 4), t = (i / 4) % kPageSize, c = i % 4;  // elements 32c .. 32c + 31
-      const uint4 raw = ld_shared_v4(stage + side * (kPageSize * 64) + t * 64 + c * 16);
-      const uint2 sf = ld_shared_v2(stage + 2 * kPageSize * 64 + side * (kPageSize * 8) + t * 8);
+    for (int i = tid; i < 2 * kPageSize * kFp4RowChunks; i += NT) {
+      const int side = i / (kPageSize * kFp4RowChunks), t = (i / kFp4RowChunks) % kPageSize,
+                c = i % kFp4RowChunks;  // elements 32c .. 32c + 31: block scales 2c, 2c + 1
+      const uint4 raw = ld_shared_v4(stage + Stage::chunk(side, t, c));
+      const uint2 sf = ld_shared_v2(stage + Stage::scales(side, t));
       const uint32_t scales = c < 2 ? sf.x : sf.y;
       const float s0 = e4m3_to_f32(uint8_t(scales >> (16 * (c & 1)))), s1 = e4m3_to_f32(uint8_t(scales >> (16 * (c & 1) + 8)));
       const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
@@ -182,7 +263,7 @@ __device__ __forceinline__ void convert_page(uint32_t stage, uint32_t tiles) {
           o[4 * j + e] = bf16x2_bits(e4m3_to_f32(nvfp4_to_e4m3(byte & 0xfu, s)), e4m3_to_f32(nvfp4_to_e4m3(byte >> 4, s)));
         }
       }
-      const uint32_t tile = tiles + side * kTileBytes;
+      const uint32_t tile = tiles + side * kPageTileBytes;
 #pragma unroll
       for (int q = 0; q < 4; ++q)
         st_shared_v4(tile + tile_offset(kPageSize, t, 4 * c + q), o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
@@ -193,33 +274,37 @@ __device__ __forceinline__ void convert_page(uint32_t stage, uint32_t tiles) {
 template <int NW, KvFormat F>
 __global__ void __launch_bounds__(NW * 32, 1) paged_attention_kernel(const AttnArgs a) {
   constexpr int NT = NW * 32;
+  using Storage = SharedStorage<NW, F>;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = align1024(smem_addr(smem_raw));
-  uint8_t* base_ptr = smem_raw + (base - smem_addr(smem_raw));
-  Control& ctl = *reinterpret_cast<Control*>(base_ptr + main_bytes<NW, F>());
-  const uint32_t stage0 = base, stage1 = base + Layout<F>::kStageBytes;
-  const uint32_t tiles = F == KvFormat::bf16 ? 0u : base + Layout<F>::kTiles;
-  const uint32_t q_tiles = base + Layout<F>::kQ;
+  Storage& smem = *reinterpret_cast<Storage*>(smem_raw + (base - smem_addr(smem_raw)));
+  PageSet& ctl = smem.set;
+  using Pages = PageBuffers<NW, F>;  // at offset 0 of the storage
+  const uint32_t stage0 = base + uint32_t(offsetof(Pages, stage));
+  const uint32_t stage1 = stage0 + uint32_t(sizeof(KvStage<F>));
+  uint32_t tiles = 0;  // the converted K tile, V tile right after it
+  if constexpr (F != KvFormat::bf16) tiles = base + uint32_t(offsetof(Pages, converted));
+  const uint32_t q_tiles = base + uint32_t(offsetof(Pages, q));
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int R = a.rows_per_tile;
   const int64_t r0 = int64_t(blockIdx.x) * R;
   const int nrows = int(min64(R, a.total_q - r0));
   const int g = blockIdx.y, split = blockIdx.z;
-  const int slot0 = split * 16 / a.splits, spp = 16 / a.splits;
+  const int slot0 = split * kTopk / a.splits, spp = kTopk / a.splits;
   const int entries = R * spp;
 
   // 1. Distinct pages of the tile's selections in this split, keyed by (request, page).
   int32_t my_req = -1, my_id = -1, my_n = 0, my_row = 0;
   if (tid < kMaxEntries) {
-    ctl.uq_mask[tid] = 0u;
-    ctl.uq_nmax[tid] = 0;
+    ctl.page_rows[tid] = 0u;
+    ctl.page_tokens[tid] = 0;
   }
   if (tid < entries) {
     my_row = tid / spp;
     if (my_row < nrows) {
       const int64_t r = r0 + my_row;
-      const int32_t id = a.topk[(int64_t(g) * a.total_q + r) * 16 + slot0 + tid % spp];
+      const int32_t id = a.topk[(int64_t(g) * a.total_q + r) * kTopk + slot0 + tid % spp];
       const int32_t pos = a.positions[r];
       if (id >= 0 && pos >= 0 && int64_t(id) * kPageSize <= pos) {
         my_req = a.request[r];
@@ -227,39 +312,39 @@ __global__ void __launch_bounds__(NW * 32, 1) paged_attention_kernel(const AttnA
         my_n = int(min64(kPageSize, int64_t(pos) - int64_t(id) * kPageSize + 1));
       }
     }
-    ctl.ent_req[tid] = my_req;
-    ctl.ent_id[tid] = my_id;
+    ctl.entry_request[tid] = my_req;
+    ctl.entry_page[tid] = my_id;
   }
   __syncthreads();
   int owner = -1;
   if (tid < entries && my_req >= 0)
     for (int e = 0; e <= tid; ++e)
-      if (ctl.ent_req[e] == my_req && ctl.ent_id[e] == my_id) {
+      if (ctl.entry_request[e] == my_req && ctl.entry_page[e] == my_id) {
         owner = e;
         break;
       }
   const bool first = owner == tid && owner >= 0;
-  if (tid < kMaxEntries) ctl.ent_first[tid] = first ? 1 : 0;
+  if (tid < kMaxEntries) ctl.entry_first[tid] = first ? 1 : 0;
   const int unique = __syncthreads_count(first);
   if (first) {
     int idx = 0;  // distinct pages first seen before this entry
-    for (int e = 0; e < tid; ++e) idx += ctl.ent_first[e];
-    ctl.ent_uidx[tid] = idx;
-    ctl.uq_phys[idx] = a.page_table[int64_t(my_req) * a.max_pages + my_id];
-    ctl.uq_id[idx] = my_id;
+    for (int e = 0; e < tid; ++e) idx += ctl.entry_first[e];
+    ctl.entry_unique[tid] = idx;
+    ctl.page_physical[idx] = a.page_table[int64_t(my_req) * a.max_pages + my_id];
+    ctl.page_logical[idx] = my_id;
   }
   __syncthreads();
   if (owner >= 0) {
-    const int u = ctl.ent_uidx[owner];
-    atomicOr(&ctl.uq_mask[u], 1u << my_row);
-    atomicMax(&ctl.uq_nmax[u], my_n);
+    const int u = ctl.entry_unique[owner];
+    atomicOr(&ctl.page_rows[u], 1u << my_row);
+    atomicMax(&ctl.page_tokens[u], my_n);
   }
 
   // 2. Query tiles of the rows (16 heads x 128 each).
-  for (int i = tid; i < nrows * kGroup * 16; i += NT) {
-    const int row = i / (kGroup * 16), h = (i / 16) % kGroup, c = i % 16;
-    const __nv_bfloat16* src = a.q + (r0 + row) * a.q_s0 + int64_t(g * kGroup + h) * a.q_s1 + c * 8;
-    cp_async16(q_tiles + row * kQTileBytes + tile_offset(kGroup, h, c), src, 16);
+  for (int i = tid; i < nrows * kGroupSize * kBf16RowChunks; i += NT) {
+    const int row = i / (kGroupSize * kBf16RowChunks), h = (i / kBf16RowChunks) % kGroupSize, c = i % kBf16RowChunks;
+    const __nv_bfloat16* src = a.q + (r0 + row) * a.q_s0 + int64_t(g * kGroupSize + h) * a.q_s1 + c * 8;
+    cp_async16(q_tiles + row * kQTileBytes + tile_offset(kGroupSize, h, c), src, kChunk);
   }
   cp_async_commit();
   __syncthreads();
@@ -271,7 +356,7 @@ __global__ void __launch_bounds__(NW * 32, 1) paged_attention_kernel(const AttnA
   const int32_t row_pos = active ? a.positions[r0 + my_tile_row] : -1;
   const float k_tensor = a.k_tensor_scale ? *a.k_tensor_scale : 1.0f;
   const float v_tensor = a.v_tensor_scale ? *a.v_tensor_scale : 1.0f;
-  const float qk_scale = a.softmax_scale * k_tensor;
+  const float qk_scale = a.softmax_scale * k_tensor * math::kLog2e;  // logits in log2 units
   const bool per_token = a.k_token_scale != nullptr;
   const uint32_t q_tile = q_tiles + my_tile_row * kQTileBytes;
   const int quad = lane & 3, gr = lane >> 2;
@@ -279,37 +364,38 @@ __global__ void __launch_bounds__(NW * 32, 1) paged_attention_kernel(const AttnA
   float o[16][4];
 #pragma unroll
   for (int n = 0; n < 16; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
-  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
+  float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // softmax states of heads gr, gr + 8
 
-  if (unique > 0) issue_page<NT, F>(a, stage0, ctl.uq_phys[0], g, ctl.uq_nmax[0]);
+  if (unique > 0) issue_page<NT, F>(a, stage0, ctl.page_physical[0], g, ctl.page_tokens[0]);
   cp_async_commit();
   for (int u = 0; u < unique; ++u) {
-    if (u + 1 < unique) issue_page<NT, F>(a, (u + 1) & 1 ? stage1 : stage0, ctl.uq_phys[u + 1], g, ctl.uq_nmax[u + 1]);
+    if (u + 1 < unique)
+      issue_page<NT, F>(a, (u + 1) & 1 ? stage1 : stage0, ctl.page_physical[u + 1], g, ctl.page_tokens[u + 1]);
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
     const uint32_t stage = u & 1 ? stage1 : stage0;
-    const int nmax = ctl.uq_nmax[u];
+    const int nmax = ctl.page_tokens[u];
     if (per_token && tid < 2 * kPageSize) {
       const int side = tid / kPageSize, t = tid % kPageSize;
-      const int64_t slot = int64_t(ctl.uq_phys[u]) * kPageSize + t;
+      const int64_t slot = int64_t(ctl.page_physical[u]) * kPageSize + t;
       const float s = t < nmax ? (side ? a.v_token_scale[g * a.v_token_stride + slot] : a.k_token_scale[g * a.k_token_stride + slot]) : 0.0f;
-      (side ? ctl.vs : ctl.ks)[t] = s;
+      (side ? ctl.v_token_scale : ctl.k_token_scale)[t] = s;
     }
     if constexpr (F != KvFormat::bf16) convert_page<NT, F>(stage, tiles);
     if (per_token || F != KvFormat::bf16) __syncthreads();
     const uint32_t k_tile = F == KvFormat::bf16 ? stage : tiles;
-    const uint32_t v_tile = k_tile + kTileBytes;
+    const uint32_t v_tile = k_tile + kPageTileBytes;
 
-    if (active && ((ctl.uq_mask[u] >> my_tile_row) & 1u)) {
-      const int n_row = int(min64(kPageSize, int64_t(row_pos) - int64_t(ctl.uq_id[u]) * kPageSize + 1));
+    if (active && ((ctl.page_rows[u] >> my_tile_row) & 1u)) {
+      const int n_row = int(min64(kPageSize, int64_t(row_pos) - int64_t(ctl.page_logical[u]) * kPageSize + 1));
       const int t_end = min(t_begin + tw, n_row);
       for (int c0 = t_begin; c0 < t_end; c0 += 16) {
         float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
         for (int kk = 0; kk < 8; ++kk) {
           uint32_t qa[4], kb[4];
-          load_a(qa, q_tile, kGroup, 0, kk * 16, lane);
+          load_a(qa, q_tile, kGroupSize, 0, kk * 16, lane);
           load_b_nk(kb, k_tile, kPageSize, c0, kk * 16, lane);
           mma_bf16(s[0], qa, kb[0], kb[1]);
           mma_bf16(s[1], qa, kb[2], kb[3]);
@@ -321,7 +407,7 @@ __global__ void __launch_bounds__(NW * 32, 1) paged_attention_kernel(const AttnA
           for (int e = 0; e < 4; ++e) {
             const int t = c0 + nt * 8 + 2 * quad + (e & 1);
             float x = s[nt][e] * qk_scale;
-            if (per_token) x *= ctl.ks[t];
+            if (per_token) x *= ctl.k_token_scale[t];
             if (t >= n_row) x = -INFINITY;
             s[nt][e] = x;
             if (e < 2) cmax0 = fmaxf(cmax0, x);
@@ -331,7 +417,7 @@ __global__ void __launch_bounds__(NW * 32, 1) paged_attention_kernel(const AttnA
         cmax1 = warp_max4(cmax1);
         const float new0 = fmaxf(m0, cmax0), new1 = fmaxf(m1, cmax1);
         const float use0 = new0 == -INFINITY ? 0.0f : new0, use1 = new1 == -INFINITY ? 0.0f : new1;
-        const float alpha0 = expf(m0 - use0), alpha1 = expf(m1 - use1);
+        const float alpha0 = exp2f(m0 - use0), alpha1 = exp2f(m1 - use1);
         m0 = new0;
         m1 = new1;
         l0 *= alpha0;
@@ -348,20 +434,42 @@ __global__ void __launch_bounds__(NW * 32, 1) paged_attention_kernel(const AttnA
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const float pr = expf(s[nt][e] - (e < 2 ? use0 : use1));
+            const float pr = exp2f(s[nt][e] - (e < 2 ? use0 : use1));
             if (e < 2) l0 += pr;
             else l1 += pr;
             const int t = c0 + nt * 8 + 2 * quad + (e & 1);
-            pv[nt][e] = per_token ? pr * ctl.vs[t] : pr;
+            pv[nt][e] = per_token ? pr * ctl.v_token_scale[t] : pr;
           }
-        const uint32_t pa[4] = {bf16x2_bits(pv[0][0], pv[0][1]), bf16x2_bits(pv[0][2], pv[0][3]),
+        uint32_t pa[4] = {bf16x2_bits(pv[0][0], pv[0][1]), bf16x2_bits(pv[0][2], pv[0][3]),
                                 bf16x2_bits(pv[1][0], pv[1][1]), bf16x2_bits(pv[1][2], pv[1][3])};
+        if (c0 + 16 <= n_row) {
 #pragma unroll
-        for (int dn = 0; dn < 8; ++dn) {
-          uint32_t vb[4];
-          load_b_kn(vb, v_tile, kPageSize, c0, dn * 16, lane);
-          mma_bf16(o[2 * dn], pa, vb[0], vb[1]);
-          mma_bf16(o[2 * dn + 1], pa, vb[2], vb[3]);
+          for (int dn = 0; dn < 8; ++dn) {
+            uint32_t vb[4];
+            load_b_kn(vb, v_tile, kPageSize, c0, dn * 16, lane);
+            mma_bf16(o[2 * dn], pa, vb[0], vb[1]);
+            mma_bf16(o[2 * dn + 1], pa, vb[2], vb[3]);
+          }
+        } else {
+          // The chunk crosses the row's causal limit. Keys t >= n_row have p = 0, but their V
+          // rows and per-token V scales (another row's keys, or garbage of the cache) may hold
+          // NaN / inf, and 0 * NaN is NaN: their halves of the P and V fragments are zeroed
+          // instead (selection, not multiplication). a0 / a1 and b0 / b2 hold keys
+          // c0 + 2 quad + {0, 1} (low / high 16 bits), a2 / a3 and b1 / b3 the keys 8 further.
+          const int t0 = c0 + 2 * quad;
+          const uint32_t keep_lo = (t0 < n_row ? 0x0000ffffu : 0u) | (t0 + 1 < n_row ? 0xffff0000u : 0u);
+          const uint32_t keep_hi = (t0 + 8 < n_row ? 0x0000ffffu : 0u) | (t0 + 9 < n_row ? 0xffff0000u : 0u);
+          pa[0] &= keep_lo;
+          pa[1] &= keep_lo;
+          pa[2] &= keep_hi;
+          pa[3] &= keep_hi;
+#pragma unroll
+          for (int dn = 0; dn < 8; ++dn) {
+            uint32_t vb[4];
+            load_b_kn(vb, v_tile, kPageSize, c0, dn * 16, lane);
+            mma_bf16(o[2 * dn], pa, vb[0] & keep_lo, vb[1] & keep_hi);
+            mma_bf16(o[2 * dn + 1], pa, vb[2] & keep_lo, vb[3] & keep_hi);
+          }
         }
       }
     }
@@ -373,41 +481,39 @@ __global__ void __launch_bounds__(NW * 32, 1) paged_attention_kernel(const AttnA
   // 4. Merge the kw states of each row and write.
   l0 = warp_sum4(l0);
   l1 = warp_sum4(l1);
-  float* merge = reinterpret_cast<float*>(base_ptr);
-  float* wo = merge + warp * (kGroup * kHeadDim + 2 * kGroup);  // [16, 128] then m[16], l[16]
+  WarpState& ws = smem.merge[warp];  // C fragment: rows gr, gr + 8 (heads), columns 8n + 2 quad (dims)
 #pragma unroll
   for (int n = 0; n < 16; ++n) {
     const int d = n * 8 + 2 * quad;
-    wo[gr * kHeadDim + d] = o[n][0];
-    wo[gr * kHeadDim + d + 1] = o[n][1];
-    wo[(gr + 8) * kHeadDim + d] = o[n][2];
-    wo[(gr + 8) * kHeadDim + d + 1] = o[n][3];
+    ws.o[gr][d] = o[n][0];
+    ws.o[gr][d + 1] = o[n][1];
+    ws.o[gr + 8][d] = o[n][2];
+    ws.o[gr + 8][d + 1] = o[n][3];
   }
   if (quad == 0) {
-    wo[kGroup * kHeadDim + gr] = m0;
-    wo[kGroup * kHeadDim + gr + 8] = m1;
-    wo[kGroup * kHeadDim + kGroup + gr] = l0;
-    wo[kGroup * kHeadDim + kGroup + gr + 8] = l1;
+    ws.m[gr] = m0;
+    ws.m[gr + 8] = m1;
+    ws.l[gr] = l0;
+    ws.l[gr + 8] = l1;
   }
   __syncthreads();
-  for (int idx = tid; idx < nrows * kGroup * kHeadDim; idx += NT) {
-    const int row = idx / (kGroup * kHeadDim), h = (idx / kHeadDim) % kGroup, d = idx % kHeadDim;
-    float mx = -INFINITY;
-    for (int k = 0; k < kw; ++k) mx = fmaxf(mx, merge[(row * kw + k) * (kGroup * kHeadDim + 2 * kGroup) + kGroup * kHeadDim + h]);
-    float L = 0.0f, acc = 0.0f;
-    if (mx > -INFINITY)
-      for (int k = 0; k < kw; ++k) {
-        const float* st = merge + (row * kw + k) * (kGroup * kHeadDim + 2 * kGroup);
-        const float mk = st[kGroup * kHeadDim + h];
-        if (!(mk > -INFINITY)) continue;
-        const float w = expf(mk - mx);
-        L += st[kGroup * kHeadDim + kGroup + h] * w;
-        acc += st[h * kHeadDim + d] * w;
-      }
-    const bool ok = mx > -INFINITY && L > 0.0f;
-    const float value = ok ? acc / L * v_tensor : 0.0f;
-    const float lse = ok ? mx + logf(L) : -INFINITY;
-    const int64_t r = r0 + row, rh = r * a.hq + g * kGroup + h;
+  // Two passes over the kw states of (row, head) - the max, then the sums and values - with
+  // the rules of src/attention_state.h (an empty state is skipped, a row that is not valid
+  // gives 0 / -inf).
+  for (int idx = tid; idx < nrows * kGroupSize * kHeadDim; idx += NT) {
+    const int row = idx / (kGroupSize * kHeadDim), h = (idx / kHeadDim) % kGroupSize, d = idx % kHeadDim;
+    const WarpState* states = smem.merge + row * kw;
+    AttentionState<1> merged = AttentionState<1>::empty();
+    for (int k = 0; k < kw; ++k) merged.s.m = state_math::max(merged.s.m, states[k].m[h]);
+    for (int k = 0; k < kw; ++k) {
+      const SoftmaxState part{states[k].m[h], states[k].l[h]};
+      if (!(part.m > -INFINITY)) continue;  // empty: its values are never read
+      merged.add_at_max(part, {states[k].o[h][d]});
+    }
+    float normalised[1];
+    const float lse = merged.normalise(normalised);
+    const float value = normalised[0] * v_tensor;
+    const int64_t r = r0 + row, rh = r * a.hq + g * kGroupSize + h;
     if (a.splits == 1) {
       if (a.out_f32) static_cast<float*>(a.out)[rh * kHeadDim + d] = value;
       else static_cast<__nv_bfloat16*>(a.out)[rh * kHeadDim + d] = __float2bfloat16_rn(value);
@@ -492,8 +598,8 @@ void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, c
   a.max_pages = plan.max_pages;
   a.total_q = T;
   a.hq = topo.num_q_heads;
-  a.rows_per_tile = decode ? plan.q_len_per_req : 16;
-  const int nw = a.rows_per_tile > 8 ? 16 : 8;
+  a.rows_per_tile = decode ? plan.q_len_per_req : kMaxTileRows;
+  const int nw = a.rows_per_tile > 8 ? 16 : 8;  // warps: one per row and token slice
   a.kw = 1;
   while (a.rows_per_tile * a.kw * 2 <= nw) a.kw *= 2;
   a.splits = splits;

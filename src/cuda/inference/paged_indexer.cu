@@ -13,6 +13,7 @@
 // FP8 index-q / index-K codes are widened to bf16 exactly (E4M3 values are bf16 values).
 #include <algorithm>
 #include <climits>
+#include <cstddef>
 
 #include "core/check.h"
 #include "cuda/device.cuh"
@@ -28,6 +29,28 @@ constexpr int kThreads = 256;
 constexpr int kTileRows = 16;      // query rows per CTA
 constexpr int kMaxVectors = 64;    // rows x index heads per request segment (16 x 4)
 constexpr int kPagesPerCta = 8;
+constexpr int kChunk = 16;                             // bytes of one 16-byte load / store
+constexpr int kBf16RowChunks = kHeadDim * 2 / kChunk;  // 16-byte chunks of a bf16 128-row
+constexpr int kFp8RowChunks = kHeadDim / kChunk;       // ... of an E4M3 row
+constexpr int kHalves = 2;                             // token halves of a page (warps 0-3, 4-7)
+
+// A [Rows, 128] bf16 tile in the swizzled layout of tile_offset (device.cuh).
+template <int Rows>
+struct Bf16Tile {
+  uint8_t bytes[Rows * kHeadDim * 2];
+};
+
+// Shared memory of index_scores_kernel (from a 1024-byte aligned base): the index-K page in
+// use, the segment's index-q vectors, and the two halves' page maxima of each vector.
+struct ScoresStorage {
+  Bf16Tile<kPageSize> k;
+  Bf16Tile<kMaxVectors> q;
+  float partial[kHalves][kMaxVectors];
+};
+static_assert(offsetof(ScoresStorage, k) == 0 && offsetof(ScoresStorage, q) % 1024 == 0,
+              "index_scores_kernel: swizzled tiles must be 1024-byte aligned");
+static_assert(kThreads / 32 == 4 * kHalves, "warps = 4 m-tiles of 16 vectors x token halves");
+static_assert(kMaxVectors == 4 * 16, "4 m-tiles of 16 vectors");
 
 struct ScoreArgs {
   const uint8_t* q;        // bf16 or fp8
@@ -54,7 +77,7 @@ __device__ __forceinline__ int64_t scored_pages(int32_t pos, int topk) {
 
 template <bool QFp8>
 __device__ __forceinline__ void load_q_chunk(const ScoreArgs& a, int64_t row, int head, int chunk, uint4& out) {
-  const int64_t at = row * a.q_s0 + head * a.q_s1 + chunk * 8;
+  const int64_t at = row * a.q_s0 + head * a.q_s1 + chunk * (kChunk / 2);  // 8 elements a chunk
   float v[8];
   if constexpr (QFp8) {
 #pragma unroll
@@ -70,7 +93,9 @@ __device__ __forceinline__ void load_q_chunk(const ScoreArgs& a, int64_t row, in
 // Register stage of one index-K page: bf16 = 8 x 16 bytes a thread, fp8 = 4 x 16 bytes.
 template <bool KFp8>
 struct PageRegs {
-  static constexpr int kChunks = KFp8 ? 4 : 8;
+  static constexpr int kRowChunks = KFp8 ? kFp8RowChunks : kBf16RowChunks;
+  static constexpr int kChunks = kPageSize * kRowChunks / kThreads;
+  static_assert(kPageSize * kRowChunks % kThreads == 0, "whole chunks a thread");
   uint4 r[kChunks];
 };
 
@@ -81,9 +106,9 @@ __device__ __forceinline__ void fetch_page(const ScoreArgs& a, int32_t phys, Pag
 #pragma unroll
   for (int i = 0; i < PageRegs<KFp8>::kChunks; ++i) {
     const int c = threadIdx.x + i * kThreads;  // 16-byte chunk: row c / 8 (fp8) or c / 16 (bf16)
-    const int per_row = KFp8 ? 8 : 16;
+    const int per_row = PageRegs<KFp8>::kRowChunks;
     const int t = c / per_row, col = c % per_row;
-    regs.r[i] = __ldg(reinterpret_cast<const uint4*>(page + t * row_bytes + col * 16));
+    regs.r[i] = __ldg(reinterpret_cast<const uint4*>(page + t * row_bytes + col * kChunk));
   }
 }
 
@@ -93,7 +118,7 @@ __device__ __forceinline__ void store_page(uint32_t tile, const PageRegs<KFp8>& 
   for (int i = 0; i < PageRegs<KFp8>::kChunks; ++i) {
     const int c = threadIdx.x + i * kThreads;
     if constexpr (KFp8) {
-      const int t = c / 8, col = c % 8;  // 16 codes -> bf16 chunks 2 col, 2 col + 1
+      const int t = c / kFp8RowChunks, col = c % kFp8RowChunks;  // 16 codes -> bf16 chunks 2 col, 2 col + 1
       const uint32_t w[4] = {regs.r[i].x, regs.r[i].y, regs.r[i].z, regs.r[i].w};
       uint32_t o[8];
 #pragma unroll
@@ -105,7 +130,7 @@ __device__ __forceinline__ void store_page(uint32_t tile, const PageRegs<KFp8>& 
       asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(d0), "r"(o[0]), "r"(o[1]), "r"(o[2]), "r"(o[3]) : "memory");
       asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(d1), "r"(o[4]), "r"(o[5]), "r"(o[6]), "r"(o[7]) : "memory");
     } else {
-      const int t = c / 16, col = c % 16;
+      const int t = c / kBf16RowChunks, col = c % kBf16RowChunks;
       const uint32_t d = tile + tile_offset(kPageSize, t, col);
       asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(d), "r"(regs.r[i].x), "r"(regs.r[i].y),
                    "r"(regs.r[i].z), "r"(regs.r[i].w)
@@ -118,9 +143,10 @@ template <bool QFp8, bool KFp8>
 __global__ void __launch_bounds__(kThreads) index_scores_kernel(const ScoreArgs a) {
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = align1024(smem_addr(smem_raw));
-  const uint32_t k_tile = base;                                  // [128 tokens, 128] bf16: 32 KB
-  const uint32_t q_tile = base + kPageSize * kHeadDim * 2;       // [64 vectors, 128] bf16: 16 KB
-  __shared__ float partial[2][kMaxVectors];
+  ScoresStorage& smem = *reinterpret_cast<ScoresStorage*>(smem_raw + (base - smem_addr(smem_raw)));
+  const uint32_t k_tile = base + uint32_t(offsetof(ScoresStorage, k));  // [128 tokens, 128] bf16
+  const uint32_t q_tile = base + uint32_t(offsetof(ScoresStorage, q));  // [64 vectors, 128] bf16
+  auto& partial = smem.partial;
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t tile_begin = a.row_begin + int64_t(blockIdx.x) * kTileRows;
@@ -136,8 +162,8 @@ __global__ void __launch_bounds__(kThreads) index_scores_kernel(const ScoreArgs 
     if (page_begin < page_end) {
       const int nv = int(seg_end - seg) * a.hi;
       __syncthreads();  // the previous segment is done with the Q tile
-      for (int i = threadIdx.x; i < kMaxVectors * 16; i += kThreads) {
-        const int vec = i / 16, chunk = i % 16;
+      for (int i = threadIdx.x; i < kMaxVectors * kBf16RowChunks; i += kThreads) {
+        const int vec = i / kBf16RowChunks, chunk = i % kBf16RowChunks;
         uint4 val = make_uint4(0, 0, 0, 0);
         if (vec < nv) load_q_chunk<QFp8>(a, seg + vec / a.hi, vec % a.hi, chunk, val);
         const uint32_t d = q_tile + tile_offset(kMaxVectors, vec, chunk);
@@ -147,7 +173,7 @@ __global__ void __launch_bounds__(kThreads) index_scores_kernel(const ScoreArgs 
       const int32_t* table = a.page_table + int64_t(req) * a.max_pages;
       PageRegs<KFp8> regs;
       fetch_page<KFp8>(a, table[page_begin], regs);
-      const int mt = warp & 3, half = warp >> 2;  // m-tile of 16 vectors, 64-token half
+      const int mt = warp & 3, half = warp >> 2;  // m-tile of 16 vectors, token half (64 tokens)
       for (int64_t j = page_begin; j < page_end; ++j) {
         __syncthreads();  // the previous page's products are done
         store_page<KFp8>(k_tile, regs);
@@ -164,7 +190,7 @@ __global__ void __launch_bounds__(kThreads) index_scores_kernel(const ScoreArgs 
 #pragma unroll
             for (int np = 0; np < 4; ++np) {
               uint32_t kb[4];
-              load_b_nk(kb, k_tile, kPageSize, half * 64 + np * 16, kk * 16, lane);
+              load_b_nk(kb, k_tile, kPageSize, half * (kPageSize / kHalves) + np * 16, kk * 16, lane);
               mma_bf16(acc[2 * np], qa, kb[0], kb[1]);
               mma_bf16(acc[2 * np + 1], qa, kb[2], kb[3]);
             }
@@ -277,7 +303,7 @@ __global__ void __launch_bounds__(kThreads) select_kernel(const SelectArgs a) {
 
 template <bool QFp8, bool KFp8>
 void launch_scores(const ScoreArgs& a, unsigned tiles, unsigned page_runs, cudaStream_t stream) {
-  constexpr int smem = 1024 + kPageSize * kHeadDim * 2 + kMaxVectors * kHeadDim * 2;
+  constexpr int smem = 1024 + int(sizeof(ScoresStorage));
   static bool configured = false;
   if (!configured) {
     MSA_CUDA_CHECK(cudaFuncSetAttribute(index_scores_kernel<QFp8, KFp8>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));

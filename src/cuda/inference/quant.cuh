@@ -14,6 +14,11 @@
 
 namespace msa::cuda::inference {
 
+// The model constants (include/msa/constants.h).
+using model::kHeadDim;
+using model::kPageSize;
+using model::kTopk;
+
 // E4M3 code -> fp32 (exact; 0x7f / 0xff are NaN).
 __device__ __forceinline__ float e4m3_to_f32(uint8_t code) {
   const __half_raw h = __nv_cvt_fp8_to_halfraw(__nv_fp8_storage_t(code), __NV_E4M3);
