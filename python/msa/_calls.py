@@ -170,18 +170,18 @@ def host_int32(x, name):
         x = x.detach().numpy()
     elif isinstance(x, np.ndarray):
         check_integer_dtype(x, name)
-    else:
+    else:  # a (nested) list: every entry must be an integer (no 2.0, no "3")
         x = np.asarray(x)
-        if x.size == 0:
+        if x.dtype == object:  # Python ints beyond int64, or mixed objects
+            for v in x.flat:
+                v = integer(v, f"every entry of {name}")
+                if not _INT32.min <= v <= _INT32.max:
+                    raise InvalidArgumentError(f"{name} must fit in int32, got the value {v}")
             x = x.astype(np.int64)
-        elif x.dtype.kind not in "iu":
-            # A list: every entry must be an integer (no 2.0, no "3").
-            if x.dtype == object:
-                for v in x.flat:
-                    integer(v, f"every entry of {name}")
-            else:
-                check_integer_dtype(x, name)
+        elif x.size == 0:
             x = x.astype(np.int64)
+        else:
+            check_integer_dtype(x, name)
     _check_int32_range(x, name)
     return np.ascontiguousarray(x, dtype=np.int32)
 

@@ -60,6 +60,20 @@ def test_float_inference_metadata_is_refused(name):
         inf.plan_paged_prefill(np.array([0.0, 1.0, 2.0]), [130, 1], [[0, 1], [2, 0]], SMALL)
 
 
+def test_torch_functions_check_layout_metadata():
+    torch = pytest.importorskip("torch", reason="PyTorch is not installed")
+    import msa.torch as mt
+
+    x = torch.zeros(64, 1, 128, dtype=torch.bfloat16)
+    for cu in (torch.tensor([0.0, 64.0]), [0, 64.0], np.array([0.0, 64.0])):
+        with pytest.raises(msa.InvalidArgumentError, match="cu_seqlens_q must hold integers"):
+            mt.select_blocks(x, x, cu)
+    # An int64 tensor is read as it is: 2**32 + 64 used to wrap to 64.
+    with pytest.raises(msa.InvalidArgumentError, match="cu_seqlens_q must fit in int32"):
+        mt.select_blocks(x, x, torch.tensor([0, 2**32 + 64]))
+    assert mt.select_blocks(x, x, torch.tensor([0, 64])).shape == (1, 64, 16)
+
+
 def test_integer_scalars_are_not_truncated():
     with pytest.raises(msa.InvalidArgumentError, match="q_len_per_req must be an integer, got 1.5"):
         inf.plan_decode([10], [[0]], q_len_per_req=1.5, topology=SMALL)

@@ -17,8 +17,21 @@ from . import _ops
 
 
 def _host_int32(x, name):
-    """Integer layout metadata (list, NumPy array, CPU tensor) as an int32 CPU tensor."""
-    return None if x is None else torch.from_numpy(_calls.host_int32(x, name))
+    """Integer layout metadata (list, NumPy array, CPU tensor) as an integer CPU tensor. A tensor
+    is checked by device and dtype only, so torch.compile traces this without reading it; the
+    op checks the values (int32 range) where it reads them on the host."""
+    if x is None:
+        return None
+    if isinstance(x, Tensor):
+        if x.device.type != "cpu":
+            raise _native.InvalidArgumentError(
+                f"{name} must be a CPU tensor or a list (layout metadata is read on the host), got device {x.device}")
+        if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+            raise _native.InvalidArgumentError(
+                f"{name} must hold integers (an integer dtype such as int32), got dtype {x.dtype}; msa does not "
+                f"round or truncate metadata")
+        return x.contiguous()
+    return torch.tensor(_calls.int_list(x, name), dtype=torch.int32)
 
 
 def _cu(cu_seqlens_q, cu_seqlens_k, fragment_indices):
