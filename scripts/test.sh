@@ -6,7 +6,14 @@ cd "$(dirname "$0")/.."
 bash scripts/install-deps.sh
 bash scripts/build.sh -DMSA_BUILD_TESTS=ON
 build_dir=${MSA_BUILD_DIR:-build}
-ctest --test-dir "$build_dir" --output-on-failure -j "$(nproc)"
+status=0
+ctest --test-dir "$build_dir" --output-on-failure -j "$(nproc)" || status=$?
+# ctest lists skipped tests without their reasons; print them (GPU tests without a GPU, ...).
+python3 tests/ctest_skips.py "$build_dir" || true
+# A short coverage-guided fuzz run of the file reader and run-case (clang/libFuzzer; skipped
+# with the reason when they are missing). The long run is documented in docs/fuzzing.md.
+bash tests/fuzz/run.sh "${MSA_FUZZ_SECONDS:-60}" "${build_dir}-fuzz" || status=1
+((status == 0)) || exit $status
 if ! (command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1); then
   echo "note: the Gpu* tests above were skipped: no CUDA device on this machine" \
        "(they run on a GPU machine through scripts/device-check.sh)"

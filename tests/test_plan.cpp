@@ -191,5 +191,67 @@ TEST(Plan, WorkItemsCoverEveryEdgeOnce) {
   EXPECT_EQ(seen.size(), expected);
 }
 
+// A plan encodes the selection it was built from; forward, backward and KL must refuse any
+// other one instead of computing wrong results (and the plan keeps its own copy, so reusing
+// the caller's buffer for the next selection cannot fool it).
+TEST(PlanSelection, CallsRefuseASelectionThePlanWasNotBuiltFrom) {
+  MSA_SEEDED_RNG(rng);
+  const Topology topo = Topology::minimax_m3(4);
+  const PackedLayout L = layout_of({2300, 129});  // 18 blocks: late queries rank their history
+  const HostTensor a = library_selection(rng, topo, L), b = library_selection(rng, topo, L);
+  ASSERT_NE(a.ints(), b.ints()) << "the two selections must differ";
+  AttentionCase good = make_case(rng, topo, L, HostTensor(a));
+  EXPECT_EQ(buffer_ints(good.plan.selection), a.ints()) << "the plan holds a copy of its selection";
+  EXPECT_NE(good.plan.selection.data(), good.topk.view().data);
+
+  // The same contents in other memory, the plan's own copy, and no topk at all are accepted
+  // and give the same bytes.
+  const ForwardOutputs want = run_forward(good);
+  AttentionCase own = good;
+  own.topk = HostTensor();
+  AttentionForwardParams p;
+  const ForwardOutputs got{HostTensor(DType::bf16, {L.total_q(), 16, 128}), HostTensor(DType::f32, {L.total_q(), 16})};
+  p.q = good.q.view();
+  p.k = good.k.view();
+  p.v = good.v.view();
+  p.out = got.out.view();
+  p.lse = got.lse.view();
+  for (const TensorView& topk : {good.plan.selection.view(), TensorView{}}) {
+    p.topk = topk;
+    sparse_attention_forward(topo, L, good.plan, p);
+    EXPECT_EQ(got.out.floats(), want.out.floats());
+  }
+
+  // Another selection over the same layout: refused by all three, naming the first difference.
+  AttentionCase wrong = good;
+  wrong.topk = HostTensor(b);
+  const std::vector<std::string> pieces = {"topk does not match the selection the plan was built from",
+                                           "first difference at topk[", "plan.selection"};
+  expect_error([&] { run_forward(wrong); }, pieces);
+  const HostTensor dout = random_tensor(rng, {L.total_q(), 16, 128});
+  expect_error([&] { run_backward(wrong, want, dout); }, pieces);
+  const HostTensor iq = random_tensor(rng, {L.total_q(), 1, 128}), ik = random_tensor(rng, {L.total_k(), 1, 128});
+  HostTensor ilse(DType::f32, {1, L.total_q()}), diq(DType::f32, {L.total_q(), 1, 128}), dik(DType::f32, {L.total_k(), 1, 128});
+  KlBackwardParams k;
+  k.q = good.q.view();
+  k.k = good.k.view();
+  k.lse = want.lse.view();
+  k.index_q = iq.view();
+  k.index_k = ik.view();
+  k.index_lse = ilse.view();
+  k.topk = b.view();
+  k.dindex_q = diq.view();
+  k.dindex_k = dik.view();
+  expect_error([&] { kl_backward(topo, L, good.plan, k); }, pieces);
+
+  // The caller's buffer overwritten in place after build_plan (the same pointer): refused too.
+  AttentionCase reused = good;
+  reused.topk = HostTensor(a);
+  reused.plan = build_plan(topo, L, reused.topk.view());
+  const std::vector<int32_t> b_ids = b.ints();
+  std::copy(b_ids.begin(), b_ids.end(), reused.topk.data<int32_t>());
+  expect_error([&] { run_forward(reused); }, pieces);
+}
+
 }  // namespace
 }  // namespace msa::test

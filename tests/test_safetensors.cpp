@@ -11,7 +11,9 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "msa/error.h"
 
@@ -193,6 +195,75 @@ TEST_F(SafetensorsTest, FailedWriteLeavesExistingFileUntouched) {
   int entries = 0;
   for (const auto& e : fs::directory_iterator(dir_)) entries += e.is_regular_file();
   EXPECT_EQ(entries, 1);
+}
+
+// Hostile headers: nesting deep enough to overflow a recursive parser (or a recursive dump in
+// the error message) must give a clean error, checked before any recursion runs.
+TEST_F(SafetensorsTest, DeeplyNestedHeaderValuesAreRefusedBeforeParsing) {
+  const std::string deep = std::string(60000, '[') + std::string(60000, ']');
+  const std::string tensor = R"("a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]})";
+  for (const std::string& header :
+       {"{\"__metadata__\":{\"x\":" + deep + "}," + tensor + "}",
+        R"({"a":{"dtype":"U8","shape":)" + deep + R"(,"data_offsets":[0,1]}})",
+        R"({"a":{"dtype":"U8","shape":[1],"data_offsets":)" + deep + "}}"}) {
+    const std::string path = raw("deep.safetensors", header, "1");
+    try {
+      SafetensorsFile::read(path);
+      FAIL() << "a 60,000-deep header was accepted";
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("nests JSON arrays / objects more than 16 levels deep"), std::string::npos) << msg;
+      EXPECT_LT(msg.size(), 400u) << "the message must not echo the value";
+    }
+  }
+  // Brackets inside strings are not nesting: such a name is read.
+  const std::string name = std::string(100, '[') + "\\\"{";
+  const std::string path = raw("brackets.safetensors", "{\"" + name + R"(":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}})", "1");
+  EXPECT_EQ(SafetensorsFile::read(path).tensors.size(), 1u);
+}
+
+TEST_F(SafetensorsTest, MessagesQuoteOnlyAShortPrefixOfNamesAndValues) {
+  const std::string long_name(1000000, 'n');
+  auto expect_short = [&](const std::string& path, const char* fragment) {
+    try {
+      SafetensorsFile::read(path);
+      FAIL() << "should have failed: " << fragment;
+    } catch (const Error& e) {
+      const std::string msg = e.what();
+      EXPECT_LT(msg.size(), 400u) << msg.substr(0, 400);
+      EXPECT_NE(msg.find(fragment), std::string::npos) << msg.substr(0, 400);
+    }
+  };
+  expect_short(raw("name.safetensors", "{\"" + long_name + R"(":{"dtype":"F64","shape":[1],"data_offsets":[0,8]}})",
+                   "12345678"),
+               "(1000000 characters in all)");
+  expect_short(raw("dtype.safetensors", R"({"a":{"dtype":")" + long_name + R"(","shape":[1],"data_offsets":[0,1]}})", "1"),
+               "unsupported dtype 'nnnn");
+  std::string big_array = "[";
+  for (int i = 0; i < 20000; ++i) big_array += (i ? ",1" : "1");
+  big_array += "]";
+  expect_short(raw("meta.safetensors", R"({"__metadata__":{"k":)" + big_array + "}}", ""), "must be a string, got '[1,1,1");
+  expect_short(raw("shape.safetensors", R"({"a":{"dtype":"U8","shape":)" + big_array + R"(,"data_offsets":[0,1]}})", "1"),
+               "has rank 20000");
+  // The parser's own message repeats the token it stopped at: an unterminated long string.
+  expect_short(raw("json.safetensors", "{\"" + long_name, ""), "header is not valid JSON");
+}
+
+TEST_F(SafetensorsTest, QuoteShortEscapesAndCuts) {
+  EXPECT_EQ(quote_short("q"), "'q'");
+  EXPECT_EQ(quote_short(std::string("a\nb\x01\xff", 5)), "'a\\x0ab\\x01\\xff'");
+  EXPECT_EQ(quote_short(std::string(100, 'x'), 4), "'xxxx'... (100 characters in all)");
+}
+
+TEST_F(SafetensorsTest, ParseFromMemoryMatchesRead) {
+  const std::string path = file("mem.safetensors");
+  write_safetensors(path, {random_tensor("a", DType::bf16, {2, 3}, 1)}, {{"mode", "training"}});
+  std::ifstream in(path, std::ios::binary);
+  const std::vector<uint8_t> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const SafetensorsFile f = SafetensorsFile::parse(bytes, "in memory");
+  EXPECT_EQ(f.metadata.at("mode"), "training");
+  EXPECT_EQ(f.get("a").bytes, SafetensorsFile::read(path).get("a").bytes);
+  EXPECT_THROW(SafetensorsFile::parse(std::span<const uint8_t>(bytes.data(), 12), "cut"), Error);
 }
 
 }  // namespace

@@ -83,6 +83,15 @@ struct SparsePlan {
                            //   kv_block); q_begin indexes q_indices[head_kv]; work items
                            //   ordered by q_count descending, ties in (head, row, chunk) order
   Buffer work_count_dev;   // [1] int32: entries of `schedule` in use
+  // [Hi, total_q, topk] int32 on the plan's device: the plan's own copy of the selection it
+  // was built from (one device copy in build_plan). The CSR and schedule encode that
+  // selection, so forward / backward / KL refuse a `topk` argument with other contents
+  // ("topk does not match the selection the plan was built from"). Passing selection.view()
+  // (or leaving the params' topk empty, which means the same) is accepted without reading
+  // any contents; any other tensor is compared: a memcmp on the CPU, on CUDA a copy of both
+  // to the host and one synchronisation of opt.stream. During CUDA graph capture contents
+  // cannot be read, so there only this plan's own selection is verified.
+  Buffer selection;
   // CUDA plans only. build_plan does not wait for the device, so an invalid topk is found
   // there: status is [4] int32, all 0 when topk was valid, else (1, head, row, slot) of the
   // first invalid entry seen; the invalid entries are left out of the CSR, work_count is -1
@@ -106,7 +115,8 @@ struct AttentionForwardParams {
   TensorView q;     // [total_q, Hq, 128] bf16
   TensorView k;     // [total_k, Hkv, 128] bf16
   TensorView v;     // [total_k, Hkv, 128] bf16
-  TensorView topk;  // [Hkv, total_q, 16] int32 (the one the plan was built from)
+  TensorView topk;  // [Hkv, total_q, 16] int32: the selection the plan was built from
+                    //   (checked; empty = the plan's own, plan.selection)
   TensorView out;   // out: [total_q, Hq, 128] bf16 or f32
   TensorView lse;   // out: [total_q, Hq] f32, natural log
 };
@@ -119,7 +129,7 @@ struct AttentionBackwardParams {
   TensorView q;     // [total_q, Hq, 128] bf16
   TensorView k;     // [total_k, Hkv, 128] bf16
   TensorView v;     // [total_k, Hkv, 128] bf16
-  TensorView topk;  // [Hkv, total_q, 16] int32
+  TensorView topk;  // [Hkv, total_q, 16] int32: the plan's selection (checked; empty = plan.selection)
   TensorView out;   // [total_q, Hq, 128] bf16 or f32 (forward output)
   TensorView lse;   // [total_q, Hq] f32 (forward LSE)
   TensorView dout;  // [total_q, Hq, 128] bf16 or f32
@@ -145,7 +155,7 @@ struct KlBackwardParams {
   TensorView index_q;    // [total_q, Hi, Di] bf16
   TensorView index_k;    // [total_k, 1, Di] bf16
   TensorView index_lse;  // [Hi, total_q] f32 (select_blocks' selected_lse, temperature 1)
-  TensorView topk;       // [Hi, total_q, 16] int32
+  TensorView topk;       // [Hi, total_q, 16] int32: the plan's selection (checked; empty = plan.selection)
   TensorView dindex_q;   // out: [total_q, Hi, Di] bf16 or f32
   TensorView dindex_k;   // out: [total_k, 1, Di] bf16 or f32
   float grad_scale = 0;

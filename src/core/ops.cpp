@@ -3,6 +3,12 @@
 #include "msa/ops.h"
 
 #include <cmath>
+#include <cstring>
+#include <vector>
+
+#if MSA_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
 
 #include "backend.h"
 #include "core/buffer_pack.h"
@@ -53,6 +59,45 @@ void check_plan(const SparsePlan& plan, const PackedLayout& L, const Topology& t
           concat("plan does not match this micro-batch (plan: total_q ", plan.total_q, ", rows ", plan.total_rows,
                  "; layout: total_q ", L.total_q(), ", rows ", L.total_rows(topo.block_size), "); rebuild it with build_plan"));
   require(plan.device == dev, concat("plan lives on ", to_string(plan.device), " but the inputs are on ", to_string(dev)));
+}
+
+// The selection a call passes must be the one the plan was built from: the plan's CSR and
+// schedule encode that selection, and another one would give wrong results without a word.
+// Returns the view the backend reads: the plan's own copy when the caller passed none.
+TensorView bound_selection(const SparsePlan& plan, const TensorView& topk, const char* op, const RunOptions& opt) {
+  require(!plan.selection.empty(),
+          concat(op, ": the plan holds no selection (it was not made by build_plan); build it with build_plan"));
+  const TensorView own = plan.selection.view();
+  if (!topk.present() || topk.data == own.data) return own;  // the plan's own copy: nothing to compare
+  const int64_t n = own.numel();
+  std::vector<int32_t> given_host, own_host;
+  const int32_t *given = topk.as<const int32_t>(), *built = own.as<const int32_t>();
+  if (own.device.is_cuda()) {
+#if MSA_WITH_CUDA
+    // A capturing stream cannot be read from the host; only the plan's own copy is verified then.
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(static_cast<cudaStream_t>(opt.stream), &capture) != cudaSuccess) {
+      (void)cudaGetLastError();
+      capture = cudaStreamCaptureStatusNone;
+    }
+    if (capture != cudaStreamCaptureStatusNone) return topk;
+#endif
+    given_host.resize(size_t(n));
+    own_host.resize(size_t(n));
+    // Both copies are ordered on opt.stream (after whatever wrote topk there); the copy to the
+    // host returns when it is complete.
+    copy(own, TensorView::contiguous(own_host.data(), DType::i32, own.shape_vector()), opt.stream);
+    copy(topk, TensorView::contiguous(given_host.data(), DType::i32, own.shape_vector()), opt.stream);
+    given = given_host.data();
+    built = own_host.data();
+  }
+  if (std::memcmp(given, built, size_t(n) * sizeof(int32_t)) == 0) return topk;
+  int64_t i = 0;
+  while (given[i] == built[i]) ++i;
+  const int64_t K = own.shape[2], rows = own.shape[1];
+  fail(concat(op, ": topk does not match the selection the plan was built from (first difference at topk[", i / K / rows,
+              ", ", i / K % rows, ", ", i % K, "]: ", given[i], " here, ", built[i],
+              " in the plan); build a plan from this topk, or pass the plan's own plan.selection"));
 }
 
 // A caller's plan workspace: CUDA only, uint8 [n] contiguous on the plan's device, large enough
@@ -123,7 +168,11 @@ SparsePlan build_plan(const Topology& topo, const PackedLayout& L, const TensorV
   buffers.add(&plan.split_counts, DType::i32, {L.total_q(), Hkv});
   buffers.add(&plan.schedule, DType::i32, {capacity, 6});
   buffers.add(&plan.work_count_dev, DType::i32, {1});
+  buffers.add(&plan.selection, DType::i32, {topo.num_index_heads, L.total_q(), topo.topk});
   buffers.allocate(plan.device, on_cuda(topk) ? opt.stream : nullptr);  // CUDA buffers are used on opt.stream
+  // The plan keeps its own copy of the selection, so that a later call cannot pair it with
+  // another one (see bound_selection); on CUDA one device copy on opt.stream.
+  copy(topk, plan.selection.view(), on_cuda(topk) ? opt.stream : nullptr);
   dispatch(
       "build_plan", plan.device, [&] { cpu::build_plan(topo, L, topk, plan); },
       [&] { cuda::build_plan(topo, L, topk, options.workspace, plan, opt); });
@@ -139,7 +188,8 @@ void sparse_attention_forward(const Topology& topo, const PackedLayout& L, const
   check_tensor(p.q, "q", kBf16, {Dim(L.total_q(), "total_q"), Dim(Hq, "Hq"), Dim(D)}, dev);
   check_tensor(p.k, "k", kBf16, {Dim(L.total_k(), "total_k"), Dim(Hkv, "Hkv"), Dim(D)}, dev);
   check_tensor(p.v, "v", kBf16, {Dim(L.total_k(), "total_k"), Dim(Hkv, "Hkv"), Dim(D)}, dev);
-  check_tensor(p.topk, "topk", {DType::i32}, {Dim(Hkv, "Hkv"), Dim(L.total_q(), "total_q"), Dim(topo.topk, "16")}, dev);
+  if (p.topk.present())
+    check_tensor(p.topk, "topk", {DType::i32}, {Dim(Hkv, "Hkv"), Dim(L.total_q(), "total_q"), Dim(topo.topk, "16")}, dev);
   check_tensor(p.out, "out", kFloatOut, {Dim(L.total_q(), "total_q"), Dim(Hq, "Hq"), Dim(D)}, dev);
   check_tensor(p.lse, "lse", {DType::f32}, {Dim(L.total_q(), "total_q"), Dim(Hq, "Hq")}, dev);
   check_plan(plan, L, topo, dev);
@@ -152,9 +202,11 @@ void sparse_attention_forward(const Topology& topo, const PackedLayout& L, const
             concat("sparse_attention_forward on CUDA handles total_q * Hq up to 2^27, got total_q ", L.total_q(),
                    " with Hq ", Hq));
   }
+  AttentionForwardParams bound = p;
+  bound.topk = bound_selection(plan, p.topk, "sparse_attention_forward", opt);
   dispatch(
-      "sparse_attention_forward", dev, [&] { cpu::sparse_attention_forward(topo, L, plan, p, opt); },
-      [&] { cuda::sparse_attention_forward(topo, L, plan, p, opt); });
+      "sparse_attention_forward", dev, [&] { cpu::sparse_attention_forward(topo, L, plan, bound, opt); },
+      [&] { cuda::sparse_attention_forward(topo, L, plan, bound, opt); });
 }
 
 void sparse_attention_backward(const Topology& topo, const PackedLayout& L, const SparsePlan& plan,
@@ -167,7 +219,7 @@ void sparse_attention_backward(const Topology& topo, const PackedLayout& L, cons
   check_tensor(p.q, "q", kBf16, {Tq, Dim(Hq, "Hq"), Dim(D)}, dev);
   check_tensor(p.k, "k", kBf16, {Tk, Dim(Hkv, "Hkv"), Dim(D)}, dev);
   check_tensor(p.v, "v", kBf16, {Tk, Dim(Hkv, "Hkv"), Dim(D)}, dev);
-  check_tensor(p.topk, "topk", {DType::i32}, {Dim(Hkv, "Hkv"), Tq, Dim(topo.topk, "16")}, dev);
+  if (p.topk.present()) check_tensor(p.topk, "topk", {DType::i32}, {Dim(Hkv, "Hkv"), Tq, Dim(topo.topk, "16")}, dev);
   check_tensor(p.out, "out", kFloatOut, {Tq, Dim(Hq, "Hq"), Dim(D)}, dev);
   check_tensor(p.lse, "lse", {DType::f32}, {Tq, Dim(Hq, "Hq")}, dev);
   check_tensor(p.dout, "dout", kFloatOut, {Tq, Dim(Hq, "Hq"), Dim(D)}, dev);
@@ -175,9 +227,11 @@ void sparse_attention_backward(const Topology& topo, const PackedLayout& L, cons
   check_tensor(p.dk, "dk", kFloatOut, {Tk, Dim(Hkv, "Hkv"), Dim(D)}, dev);
   check_tensor(p.dv, "dv", kFloatOut, {Tk, Dim(Hkv, "Hkv"), Dim(D)}, dev);
   check_plan(plan, L, topo, dev);
+  AttentionBackwardParams bound = p;
+  bound.topk = bound_selection(plan, p.topk, "sparse_attention_backward", opt);
   dispatch(
-      "sparse_attention_backward", dev, [&] { cpu::sparse_attention_backward(topo, L, plan, p, opt); },
-      [&] { cuda::sparse_attention_backward(topo, L, plan, p, opt); });
+      "sparse_attention_backward", dev, [&] { cpu::sparse_attention_backward(topo, L, plan, bound, opt); },
+      [&] { cuda::sparse_attention_backward(topo, L, plan, bound, opt); });
 }
 
 void kl_backward(const Topology& topo, const PackedLayout& L, const SparsePlan& plan, const KlBackwardParams& p,
@@ -194,15 +248,17 @@ void kl_backward(const Topology& topo, const PackedLayout& L, const SparsePlan& 
   check_tensor(p.index_q, "index_q", kBf16, {Tq, Dim(Hi, "Hi"), Dim(Di)}, dev);
   check_tensor(p.index_k, "index_k", kBf16, {Tk, Dim(1), Dim(Di)}, dev);
   check_tensor(p.index_lse, "index_lse", {DType::f32}, {Dim(Hi, "Hi"), Tq}, dev);
-  check_tensor(p.topk, "topk", {DType::i32}, {Dim(Hi, "Hi"), Tq, Dim(topo.topk, "16")}, dev);
+  if (p.topk.present()) check_tensor(p.topk, "topk", {DType::i32}, {Dim(Hi, "Hi"), Tq, Dim(topo.topk, "16")}, dev);
   check_tensor(p.dindex_q, "dindex_q", kFloatOut, {Tq, Dim(Hi, "Hi"), Dim(Di)}, dev);
   check_tensor(p.dindex_k, "dindex_k", kFloatOut, {Tk, Dim(1), Dim(Di)}, dev);
   require(std::isfinite(p.grad_scale) && p.grad_scale >= 0,
           concat("grad_scale must be finite and >= 0 (0 = 1 / (Hi * total_q)), got ", p.grad_scale));
   check_plan(plan, L, topo, dev);
+  KlBackwardParams bound = p;
+  bound.topk = bound_selection(plan, p.topk, "kl_backward", opt);
   dispatch(
-      "kl_backward", dev, [&] { cpu::kl_backward(topo, L, plan, p, opt); },
-      [&] { cuda::kl_backward(topo, L, plan, p, opt); });
+      "kl_backward", dev, [&] { cpu::kl_backward(topo, L, plan, bound, opt); },
+      [&] { cuda::kl_backward(topo, L, plan, bound, opt); });
 }
 
 void merge_states(const MergeStatesParams& p, const RunOptions& opt) {

@@ -43,6 +43,12 @@ raw_file() {
   head -c "$data_bytes" /dev/zero >>"$file"
 }
 
+# Like raw_file, with the data section given as printf escapes (e.g. '\x00\x00\xc0\x7f').
+raw_data_file() {
+  raw_file "$1" "$2" 0
+  printf "$3" >>"$1"
+}
+
 # Runs `msa run-case` on an input that must be rejected: exit 2, the message, no output file.
 reject() {
   local input=$1 pattern=$2
@@ -198,9 +204,85 @@ inference_modes)
   done
   ;;
 
+hostile_files)
+  # Nesting that would overflow a recursive parser, in every header value, is a clean error.
+  deep=$(printf '%*s' 60000 '' | tr ' ' '[')$(printf '%*s' 60000 '' | tr ' ' ']')
+  tensor='"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}'
+  raw_file deep_meta.safetensors "{\"__metadata__\":{\"x\":$deep},$tensor}" 1
+  raw_file deep_shape.safetensors "{\"a\":{\"dtype\":\"U8\",\"shape\":$deep,\"data_offsets\":[0,1]}}" 1
+  raw_file deep_offsets.safetensors "{\"a\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":$deep}}" 1
+  for f in deep_meta deep_shape deep_offsets; do
+    reject $f.safetensors 'nests JSON arrays / objects more than 16 levels deep'
+    expect 2 'more than 16 levels' "$msa" inspect $f.safetensors
+    (($(wc -c <all.txt) < 400)) || fail "$f: the message echoes the value ($(wc -c <all.txt) bytes)"
+  done
+  # A 1,000,000-character tensor name is quoted by a short prefix only.
+  long=$(printf '%*s' 1000000 '' | tr ' ' 'n')
+  raw_file long_name.safetensors "{\"$long\":{\"dtype\":\"U8\",\"shape\":[1],\"data_offsets\":[0,1]}}" 1
+  reject long_name.safetensors "unknown tensor 'nnnn.*\(1000000 characters in all\)"
+  (($(wc -c <all.txt) < 600)) || fail "the long name is echoed ($(wc -c <all.txt) bytes of message)"
+  # Lengths are checked against the tensors before anything is sized from them: under a 3 GB
+  # address-space limit the case is refused naming cu_seqlens_q (the unchecked layout would
+  # allocate 8 GB for 2^31 tokens first).
+  "$msa" make-case --out huge_cu.safetensors --docs 2 --tp 4 --ints cu_seqlens_q=0,2147483647 >/dev/null || fail "make-case"
+  (
+    ulimit -v 3000000
+    reject huge_cu.safetensors "cu_seqlens_q must end at the token count q.shape\[0\] = 2, got cu_seqlens_q\[1\] = 2147483647"
+  ) || exit 1
+  "$msa" make-case --out down_cu.safetensors --docs 2,2 --tp 4 --ints cu_seqlens_k=0,3,1 >/dev/null || fail "make-case"
+  reject down_cu.safetensors "cu_seqlens_k must be non-decreasing, got cu_seqlens_k\[1\] = 3 > cu_seqlens_k\[2\] = 1"
+  "$msa" make-case --out start_cu.safetensors --docs 4 --tp 4 --ints cu_seqlens_q=1,4 >/dev/null || fail "make-case"
+  reject start_cu.safetensors "cu_seqlens_q must start at 0, got cu_seqlens_q\[0\] = 1"
+  ;;
+
+compare)
+  # Symmetric, NaN-aware and with the documented per-tensor tolerances by default.
+  one='\x00\x00\x80\x3f' nan='\x00\x00\xc0\x7f'  # F32 1.0 and NaN, as printf escapes
+  header='{"out":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
+  raw_data_file a.safetensors "$header" "$nan$one"
+  raw_data_file close.safetensors "$header" "$nan"'\x1f\x85\x81\x3f'   # [NaN, 1.0119]
+  raw_data_file far.safetensors "$header" "$nan"'\x00\x00\xc0\x3f'     # [NaN, 1.5]
+  raw_data_file no_nan.safetensors "$header" "$one$one"
+  raw_data_file extra.safetensors \
+    '{"out":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"lse":{"dtype":"F32","shape":[1],"data_offsets":[8,12]}}' \
+    "$nan$one$one"
+  expect 0 '^same' "$msa" compare a.safetensors a.safetensors
+  expect 0 '^same \(the documented tolerance of each tensor\)' "$msa" compare a.safetensors close.safetensors
+  grep -q 'atol 3.0e-02, rtol 3.0e-02' all.txt || fail "the out tolerance is not shown"
+  expect 1 '^different' "$msa" compare a.safetensors far.safetensors
+  expect 1 '^different' "$msa" compare a.safetensors no_nan.safetensors
+  expect 1 'ONLY IN B' "$msa" compare a.safetensors extra.safetensors
+  expect 1 'ONLY IN A' "$msa" compare extra.safetensors a.safetensors
+  expect 1 '^different \(atol 0' "$msa" compare a.safetensors close.safetensors --atol 0
+  expect 0 '^same' "$msa" compare a.safetensors far.safetensors --atol 0.6
+  expect 0 'cosine similarity >= 0.99' "$msa" compare --help
+  ;;
+
+first_contact)
+  # One --tp default for every command that takes it.
+  for cmd in demo bench make-case; do
+    expect 0 '--tp' "$msa" $cmd --help
+    grep -E -- '--tp' all.txt | grep -qE '\}=1 ' || { grep -E -- '--tp' all.txt; fail "$cmd --tp does not default to 1"; }
+  done
+  # run-case's help lists the inference inputs as well as the training ones.
+  expect 0 'grad_out' "$msa" run-case --help
+  for name in k_cache v_cache index_k_cache page_table seq_lens kv_format q_len_per_req; do
+    grep -q "$name" all.txt || fail "run-case --help does not mention $name"
+  done
+  # A one-line summary on success.
+  expect 0 '' "$msa" make-case --out in.safetensors --docs 200,1 --tp 4
+  expect 0 '^run-case: training, cpu, 201 tokens in 2 documents, indexer, forward; wrote 4 tensors to out.safetensors' \
+    "$msa" run-case --in in.safetensors --out out.safetensors --backend cpu
+  [[ $(wc -l <stdout.txt) == 1 ]] || fail "run-case printed more than one line"
+  ;;
+
 bench_small)
   expect 0 'coherent' "$msa" bench --sizes 4096 --tp 4 --repeats 1 --backend cpu --json bench.json
   grep -q 'independent' stdout.txt || fail "no independent row"
+  # Progress before every step (a CPU backward of a long document takes many seconds).
+  for step in 'warm-up: select_blocks' 'warm-up: backward' 'run 1/1: forward' 'run 1/1: kl_backward'; do
+    grep -q "$step" stderr.txt || fail "no progress line '$step'"
+  done
   grep -q '"mean_union_of_8"' bench.json || fail "bench.json lacks the union size"
   # Coherent index vectors must make neighbouring tokens agree far more than independent ones.
   read -r independent coherent < <(grep '"mean_union_of_8"' bench.json | sed 's/.*: *\([0-9.]*\).*/\1/' | tr '\n' ' ')

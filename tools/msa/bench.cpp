@@ -2,6 +2,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iostream>
 #include <sstream>
 
@@ -82,23 +83,29 @@ BenchRow bench_one(const Topology& topo, Device dev, int64_t tokens, Selection s
   auto kl = [&] { kl_backward(topo, layout, plan, buf.kl_params(), run); };
 
   const std::string label = std::to_string(T) + " tokens, " + to_string(selection) + " selection";
-  progress(label + ": warm-up");
-  indexer();
-  make_plan();
-  forward();
-  backward();
-  kl();
+  // One line before every step: on the CPU a single backward of a long document takes many
+  // seconds, and a bench that prints nothing for that long looks hung.
+  const char* names[5] = {"select_blocks", "build_plan", "forward", "backward", "kl_backward"};
+  const std::function<void()> steps[5] = {indexer, make_plan, forward, backward, kl};
+  auto step_line = [&](const std::string& phase, int i) {
+    if (!dev.is_cuda() || i == 0) progress(label + ": " + phase + (dev.is_cuda() ? "" : std::string(": ") + names[i]));
+  };
+  for (int i = 0; i < 5; ++i) {
+    step_line("warm-up", i);
+    steps[i]();
+  }
   synchronize(dev);
 
-  std::vector<double> t_indexer, t_plan, t_forward, t_backward, t_kl;
+  std::vector<double> times[5];
   for (int r = 0; r < repeats; ++r) {
-    progress(label + ": run " + std::to_string(r + 1) + "/" + std::to_string(repeats));
-    t_indexer.push_back(time_once(dev, indexer));
-    t_plan.push_back(time_once(dev, make_plan));
-    t_forward.push_back(time_once(dev, forward));
-    t_backward.push_back(time_once(dev, backward));
-    t_kl.push_back(time_once(dev, kl));
+    const std::string phase = "run " + std::to_string(r + 1) + "/" + std::to_string(repeats);
+    for (int i = 0; i < 5; ++i) {
+      step_line(phase, i);
+      times[i].push_back(time_once(dev, steps[i]));
+    }
   }
+  const std::vector<double>&t_indexer = times[0], &t_plan = times[1], &t_forward = times[2], &t_backward = times[3],
+                           &t_kl = times[4];
 
   const std::vector<int32_t> ids = to_host_ints(buf.topk.view());
   BenchRow row;

@@ -32,7 +32,7 @@ Device resolve_backend(const std::string& backend) {
     if (cuda_device_count() == 0) throw Error(ErrorKind::unsupported, "--backend cuda: no usable CUDA device was found");
     return Device::cuda(0);
   }
-  invalid("--backend must be auto, cpu or cuda, got '" + backend + "'");
+  invalid("--backend must be auto, cpu or cuda, got " + quote_short(backend));
 }
 
 // ---------------------------------------------------------------------------------------
@@ -94,6 +94,25 @@ const StTensor& require_tensor(const SafetensorsFile& file, const std::string& n
   return *t;
 }
 
+// A cu_seqlens tensor from the file, checked against the token count of the tensors it
+// indexes before anything is sized from it (the library's layout allocates per token):
+// starts at 0, never decreases, ends at exactly `tokens`.
+void check_cu_seqlens(const std::string& path, const StTensor& cu, int64_t tokens, const std::string& tokens_name) {
+  const int64_t n = cu.numel();
+  const std::string where = path + ": " + cu.name + " ";
+  if (n < 2)
+    invalid(where + "must have shape [batch + 1] with batch >= 1, got " + describe(cu));
+  const auto* v = reinterpret_cast<const int32_t*>(cu.bytes.data());
+  if (v[0] != 0) invalid(where + "must start at 0, got " + cu.name + "[0] = " + std::to_string(v[0]));
+  for (int64_t i = 1; i < n; ++i)
+    if (v[i] < v[i - 1])
+      invalid(where + "must be non-decreasing, got " + cu.name + "[" + std::to_string(i - 1) + "] = " +
+              std::to_string(v[i - 1]) + " > " + cu.name + "[" + std::to_string(i) + "] = " + std::to_string(v[i]));
+  if (v[n - 1] != tokens)
+    invalid(where + "must end at the token count " + tokens_name + " = " + std::to_string(tokens) + ", got " + cu.name +
+            "[" + std::to_string(n - 1) + "] = " + std::to_string(v[n - 1]));
+}
+
 // ---------------------------------------------------------------------------------------
 
 void Metadata::require_known(const std::vector<std::string>& known) const {
@@ -104,7 +123,7 @@ void Metadata::require_known(const std::vector<std::string>& known) const {
     if (!found) {
       std::string list;
       for (const std::string& k : known) list += (list.empty() ? "" : ", ") + k;
-      invalid(file_ + ": unknown __metadata__ key '" + key + "' (known keys: " + list + ")");
+      invalid(file_ + ": unknown __metadata__ key " + quote_short(key) + " (known keys: " + list + ")");
     }
   }
 }
@@ -122,10 +141,10 @@ std::optional<int64_t> Metadata::integer(const std::string& key, int64_t min_val
   char* end = nullptr;
   const long long v = std::strtoll(s->c_str(), &end, 10);
   if (s->empty() || *end != '\0' || errno == ERANGE || std::isspace(static_cast<unsigned char>((*s)[0])))
-    invalid(file_ + ": __metadata__ '" + key + "' must be an integer, got '" + *s + "'");
+    invalid(file_ + ": __metadata__ '" + key + "' must be an integer, got " + quote_short(*s));
   if (v < min_value || v > max_value)
     invalid(file_ + ": __metadata__ '" + key + "' must be in [" + std::to_string(min_value) + ", " +
-            std::to_string(max_value) + "], got " + *s);
+            std::to_string(max_value) + "], got " + quote_short(*s));
   return int64_t(v);
 }
 
@@ -136,7 +155,7 @@ std::optional<double> Metadata::number(const std::string& key) const {
   char* end = nullptr;
   const double v = std::strtod(s->c_str(), &end);
   if (s->empty() || *end != '\0' || errno == ERANGE || std::isspace(static_cast<unsigned char>((*s)[0])))
-    invalid(file_ + ": __metadata__ '" + key + "' must be a number, got '" + *s + "'");
+    invalid(file_ + ": __metadata__ '" + key + "' must be a number, got " + quote_short(*s));
   return v;
 }
 

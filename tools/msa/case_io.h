@@ -51,6 +51,11 @@ const StTensor& require_tensor(const SafetensorsFile& file, const std::string& n
 const StTensor* optional_tensor(const SafetensorsFile& file, const std::string& name, DType dtype,
                                 const std::vector<int64_t>& dims);
 
+// A cu_seqlens tensor (I32 [batch + 1], batch >= 1) checked against the token count of the
+// tensors it indexes, before anything is sized from it: starts at 0, never decreases, ends at
+// exactly `tokens` (named `tokens_name` in the message, e.g. "q.shape[0]").
+void check_cu_seqlens(const std::string& path, const StTensor& cu, int64_t tokens, const std::string& tokens_name);
+
 // Typed access to "__metadata__" values (strings by the format); the whole string must parse.
 class Metadata {
  public:

@@ -20,6 +20,8 @@
 #include "inference_case.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <cmath>
 
 #include "case_io.h"
@@ -47,18 +49,19 @@ const StTensor& required(const SafetensorsFile& in, const std::string& name, con
 }  // namespace
 
 int run_inference_case(const SafetensorsFile& in, const std::string& out_path, const RunCaseOptions& options) {
+  const auto started = std::chrono::steady_clock::now();
   const Metadata meta(in.metadata, in.path);
   const std::string mode = meta.text("mode").value_or("");
   const bool decode = mode == "decode";
   if (!decode && mode != "paged_prefill")
-    invalid(in.path + ": run_inference_case handles modes decode and paged_prefill, got '" + mode + "'");
+    invalid(in.path + ": run_inference_case handles modes decode and paged_prefill, got " + quote_short(mode));
   meta.require_known(kMetadataKeys);
   for (const auto& [name, tensor] : in.tensors) {
     (void)tensor;
     if (std::find(kTensorNames.begin(), kTensorNames.end(), name) != kTensorNames.end()) continue;
     std::string list;
     for (const std::string& n : kTensorNames) list += (list.empty() ? "" : ", ") + n;
-    invalid(in.path + ": unknown tensor '" + name + "' for mode " + mode + " (it reads " + list + ")");
+    invalid(in.path + ": unknown tensor " + quote_short(name) + " for mode " + mode + " (it reads " + list + ")");
   }
 
   // ---- inputs ----
@@ -81,6 +84,8 @@ int run_inference_case(const SafetensorsFile& in, const std::string& out_path, c
   for (const StTensor* t : {&q, &index_q, &k_cache})
     if (t->shape.size() < 2)
       invalid(in.path + ": " + t->name + " must have rank >= 2 to give a head count, got " + describe(*t));
+  if (cu_seqlens_q && cu_seqlens_q->dtype == DType::i32 && cu_seqlens_q->shape.size() == 1)
+    check_cu_seqlens(in.path, *cu_seqlens_q, q.shape[0], "q.shape[0]");
   if (seq_lens.shape.size() != 1) invalid(in.path + ": seq_lens must have shape [batch], got " + describe(seq_lens));
 
   const std::string default_format = k_cache.dtype == DType::u8 ? "nvfp4" : k_cache.dtype == DType::f8e4m3 ? "fp8" : "bf16";
@@ -89,7 +94,7 @@ int run_inference_case(const SafetensorsFile& in, const std::string& out_path, c
   if (format_name == "bf16") cache.format = KvFormat::bf16;
   else if (format_name == "fp8") cache.format = KvFormat::fp8_e4m3;
   else if (format_name == "nvfp4") cache.format = KvFormat::nvfp4;
-  else invalid(in.path + ": __metadata__ 'kv_format' must be bf16, fp8 or nvfp4, got '" + format_name + "'");
+  else invalid(in.path + ": __metadata__ 'kv_format' must be bf16, fp8 or nvfp4, got " + quote_short(format_name));
   if (cache.format != KvFormat::nvfp4 && (k_sf || v_sf))
     invalid(in.path + ": k_cache_sf / v_cache_sf belong to kv_format nvfp4, got kv_format " + format_name);
 
@@ -194,7 +199,15 @@ int run_inference_case(const SafetensorsFile& in, const std::string& out_path, c
       {"num_kv_splits", std::to_string(plan.num_kv_splits)},
       {"indexer", given_topk ? "skipped (topk given)" : "msa paged_indexer"},
   };
+  if (out_path.empty()) return 0;
   write_safetensors(out_path, outputs, out_meta);
+  if (options.summary) {
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    std::printf("run-case: %s, %s, kv_format %s, batch %lld, %lld query tokens, %s; wrote %zu tensors to %s in %.2f s\n",
+                mode.c_str(), to_string(options.device).c_str(), format_name.c_str(), static_cast<long long>(batch),
+                static_cast<long long>(total_q), given_topk ? "given topk" : "indexer", outputs.size(),
+                out_path.c_str(), seconds);
+  }
   return 0;
 }
 

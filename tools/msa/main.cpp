@@ -63,11 +63,17 @@ int main(int argc, char** argv) {
   RunCaseOptions case_options;
   CLI::App* case_cmd = app.add_subcommand(
       "run-case",
-      "Run the training path on the tensors of a safetensors file and write the results to another. Inputs: q, k, v, "
-      "index_q, index_k (BF16), cu_seqlens_q, cu_seqlens_k (I32), optional fragment_indices, topk (I32, skips the indexer), "
-      "grad_out (BF16, adds backward and KL). __metadata__: mode, init_blocks, local_blocks, lse_temperature, "
-      "softmax_scale, index_scale, q_per_cta, kl_grad_scale. Outputs: topk, out (BF16), lse, indexer_lse (F32) and with "
-      "grad_out dq, dk, dv, dindex_q, dindex_k (F32).");
+      "Run the tensors of a safetensors file through msa and write the results to another; prints a one-line summary.\n"
+      "Training (__metadata__ mode absent or 'training'): inputs q, k, v, index_q, index_k (BF16), cu_seqlens_q, "
+      "cu_seqlens_k (I32), optional fragment_indices, topk (I32, skips the indexer), grad_out (BF16, adds backward and "
+      "KL); __metadata__ init_blocks, local_blocks, lse_temperature, softmax_scale, index_scale, q_per_cta, "
+      "kl_grad_scale. Outputs: topk, out (BF16), lse, indexer_lse (F32) and with grad_out dq, dk, dv, dindex_q, "
+      "dindex_k (F32).\n"
+      "Inference (mode 'decode' or 'paged_prefill'): inputs q (BF16), index_q (BF16 or F8_E4M3), k_cache, v_cache "
+      "(BF16, F8_E4M3 or U8 packed NVFP4), k_cache_sf, v_cache_sf (F8_E4M3, NVFP4 only), optional k_scale, v_scale "
+      "(F32), index_k_cache (BF16 or F8_E4M3), page_table, seq_lens (I32), cu_seqlens_q (I32, paged_prefill), optional "
+      "topk (I32); __metadata__ kv_format, q_len_per_req (decode), num_kv_splits (decode), softmax_scale. Outputs: "
+      "topk, out (BF16), lse (F32).");
   case_cmd->add_option("--in", case_in, "Input .safetensors file")->required();
   case_cmd->add_option("--out", case_out, "Output .safetensors file (written atomically)")->required();
   case_cmd->add_option("--backend", case_backend, "auto, cpu or cuda")
@@ -103,25 +109,39 @@ int main(int argc, char** argv) {
   CLI::App* make_cmd = app.add_subcommand("make-case", "Write a run-case input file of random inputs.");
   make_cmd->add_option("--out", make.out_path, "Output .safetensors file")->required();
   make_cmd->add_option("--docs", make.docs, "Document lengths")->capture_default_str();
-  make_cmd->add_option("--tp", make.tp, "1 (64/4 heads), 2 (32/2) or 4 (16/1)")->check(CLI::IsMember({1, 2, 4}))->capture_default_str();
+  make_cmd->add_option("--tp", make.tp, "Tensor-parallel shard of MiniMax-M3: 1 (64/4 heads), 2 (32/2) or 4 (16/1)")
+      ->check(CLI::IsMember({1, 2, 4}))
+      ->capture_default_str();
   make_cmd->add_option("--seed", make.seed, "Random seed")->capture_default_str();
   make_cmd->add_flag("--grad", make.grad, "Include grad_out (run-case then runs backward and KL)");
   make_cmd->add_option("--topk-from", make.topk_from, "Copy the 'topk' tensor of this file (e.g. an earlier output)");
   make_cmd->add_option("--set", make.set, "KEY=VALUE __metadata__ entry (repeatable)");
   make_cmd->add_option("--omit", make.omit, "Leave out this tensor (repeatable)");
   make_cmd->add_option("--retype", make.retype, "NAME=DTYPE: store a tensor as another dtype (repeatable)");
+  make_cmd->add_option("--ints", make.ints,
+                       "NAME=V1,V2,...: store (or replace) a 1-D I32 tensor with these values, e.g. "
+                       "cu_seqlens_q=0,100 (repeatable)");
 
   std::string inspect_path;
   CLI::App* inspect_cmd = app.add_subcommand("inspect", "List the metadata and tensors of a safetensors file.");
   inspect_cmd->add_option("file", inspect_path, "A .safetensors file")->required();
 
   CompareOptions compare;
-  CLI::App* compare_cmd = app.add_subcommand("compare", "Compare two safetensors files tensor by tensor (exit 1 if they differ).");
+  CLI::App* compare_cmd = app.add_subcommand(
+      "compare",
+      "Compare two safetensors files tensor by tensor (exit 1 if they differ). Every tensor of either file is compared; "
+      "one present on one side only is a difference. NaN equals NaN at the same place. Default tolerances (the "
+      "documented accuracy targets), per element |a - b| <= atol + rtol |b|: out and other float tensors atol = rtol "
+      "= 3e-2; lse 1e-3; indexer_lse 2e-3; dindex_q, dindex_k atol 2e-3, rtol 1e-2; dq, dk, dv cosine similarity >= "
+      "0.99; integer tensors (topk, ...) exact. --atol / --rtol replace them for every tensor (the other one is then "
+      "0 unless given).");
   compare_cmd->add_option("a", compare.a, "First file")->required();
   compare_cmd->add_option("b", compare.b, "Second file (the reference for rtol)")->required();
-  compare_cmd->add_option("--tensors", compare.tensors, "Tensors to compare (default: all of the first file)")->delimiter(',');
-  compare_cmd->add_option("--atol", compare.atol, "Absolute tolerance")->check(CLI::NonNegativeNumber)->capture_default_str();
-  compare_cmd->add_option("--rtol", compare.rtol, "Relative tolerance")->check(CLI::NonNegativeNumber)->capture_default_str();
+  compare_cmd->add_option("--tensors", compare.tensors, "Tensors to compare (default: all of both files)")->delimiter(',');
+  compare_cmd->add_option("--atol", compare.atol, "Absolute tolerance for every tensor (default: per tensor, see above)")
+      ->check(CLI::NonNegativeNumber);
+  compare_cmd->add_option("--rtol", compare.rtol, "Relative tolerance for every tensor (default: per tensor, see above)")
+      ->check(CLI::NonNegativeNumber);
 
   auto active_name = [&]() -> std::string {
     for (CLI::App* sub : app.get_subcommands()) return "msa " + sub->get_name();

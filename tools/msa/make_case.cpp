@@ -1,5 +1,9 @@
 #include "make_case.h"
 
+#include <algorithm>
+#include <cerrno>
+#include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <set>
@@ -24,6 +28,24 @@ StTensor random_bf16(const std::string& name, std::vector<int64_t> shape, uint64
   StTensor t = make_tensor(name, DType::bf16, std::move(shape));
   fill_normal_bf16(reinterpret_cast<uint16_t*>(t.bytes.data()), t.numel(), 0.2f, seed, stream);
   return t;
+}
+
+// "0,100,-1" -> values in int32 range (the file format stores I32).
+std::vector<int64_t> parse_int_list(const std::string& text, const std::string& option) {
+  std::vector<int64_t> out;
+  size_t begin = 0;
+  while (begin <= text.size()) {
+    const size_t end = std::min(text.find(',', begin), text.size());
+    const std::string item = text.substr(begin, end - begin);
+    errno = 0;
+    char* stop = nullptr;
+    const long long v = std::strtoll(item.c_str(), &stop, 10);
+    if (item.empty() || *stop != '\0' || errno == ERANGE || v < INT32_MIN || v > INT32_MAX)
+      invalid(option + ": '" + item + "' is not an int32 value");
+    out.push_back(v);
+    begin = end + 1;
+  }
+  return out;
 }
 
 StTensor int_tensor(const std::string& name, const std::vector<int32_t>& values) {
@@ -78,6 +100,14 @@ int run_make_case(const MakeCaseOptions& o) {
       t = std::move(converted);
     }
     if (!found) invalid("--retype " + r + ": the case has no tensor '" + name + "'");
+  }
+
+  for (const std::string& spec : o.ints) {
+    const auto [name, list] = split_assignment(spec, "--ints");
+    std::vector<int32_t> values;
+    for (const int64_t v : parse_int_list(list, "--ints " + name)) values.push_back(int32_t(v));
+    std::erase_if(kept, [&](const StTensor& t) { return t.name == name; });
+    kept.push_back(int_tensor(name, values));
   }
 
   std::map<std::string, std::string> metadata;

@@ -1,6 +1,8 @@
 #include "run_case.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -116,6 +118,13 @@ std::vector<float> host_selected_lse(const Topology& topo, const PackedLayout& l
   return lse;
 }
 
+// Token counts of the tensors against each other, before anything is allocated from them.
+void check_token_counts(const std::string& path, const StTensor& a, const StTensor& b) {
+  if (a.shape[0] != b.shape[0])
+    invalid(path + ": " + b.name + " must have " + a.name + ".shape[0] = " + std::to_string(a.shape[0]) +
+            " tokens, got " + describe(b));
+}
+
 StTensor float_tensor(const std::string& name, const std::vector<float>& values, std::vector<int64_t> shape) {
   StTensor t = make_tensor(name, DType::f32, std::move(shape));
   std::memcpy(t.bytes.data(), values.data(), t.bytes.size());
@@ -125,12 +134,17 @@ StTensor float_tensor(const std::string& name, const std::vector<float>& values,
 }  // namespace
 
 int run_case(const std::string& in_path, const std::string& out_path, const RunCaseOptions& options) {
-  const SafetensorsFile in = SafetensorsFile::read(in_path);
+  return run_case(SafetensorsFile::read(in_path), out_path, options);
+}
+
+int run_case(const SafetensorsFile& in, const std::string& out_path, const RunCaseOptions& options) {
+  const auto started = std::chrono::steady_clock::now();
+  const std::string& in_path = in.path;
   const Metadata meta(in.metadata, in_path);
   const std::string mode = meta.text("mode").value_or("training");
   if (mode == "decode" || mode == "paged_prefill") return run_inference_case(in, out_path, options);
   if (mode != "training")
-    invalid(in_path + ": __metadata__ 'mode' must be training, decode or paged_prefill, got '" + mode + "'");
+    invalid(in_path + ": __metadata__ 'mode' must be training, decode or paged_prefill, got " + quote_short(mode));
   meta.require_known(kMetadataKeys);
   for (const auto& [name, tensor] : in.tensors) {
     (void)tensor;
@@ -139,7 +153,7 @@ int run_case(const std::string& in_path, const std::string& out_path, const RunC
     if (!known) {
       std::string list;
       for (const std::string& n : kTensorNames) list += (list.empty() ? "" : ", ") + n;
-      invalid(in_path + ": unknown tensor '" + name + "' (run-case reads " + list + ")");
+      invalid(in_path + ": unknown tensor " + quote_short(name) + " (run-case reads " + list + ")");
     }
   }
 
@@ -156,14 +170,23 @@ int run_case(const std::string& in_path, const std::string& out_path, const RunC
   const StTensor* grad_out = optional_tensor(in, "grad_out", DType::bf16, {-1, -1, -1});
 
   const Topology topo = topology_from(in, meta, q, k, index_q);
+  check_token_counts(in_path, q, index_q);
+  check_token_counts(in_path, k, v);
+  check_token_counts(in_path, k, index_k);
+  if (grad_out) check_token_counts(in_path, q, *grad_out);
+  check_cu_seqlens(in_path, cu_q, q.shape[0], "q.shape[0]");
+  check_cu_seqlens(in_path, cu_k, k.shape[0], "k.shape[0]");
+  if (fragments && fragments->numel() != cu_q.numel() - 1)
+    invalid(in_path + ": fragment_indices must have shape [batch = " + std::to_string(cu_q.numel() - 1) + "], got " +
+            describe(*fragments));
   const double temperature = meta.number("lse_temperature").value_or(1.0);
   if (!(std::isfinite(temperature) && temperature > 0))
-    invalid(in_path + ": __metadata__ 'lse_temperature' must be finite and > 0, got " + *meta.text("lse_temperature"));
+    invalid(in_path + ": __metadata__ 'lse_temperature' must be finite and > 0, got " + quote_short(*meta.text("lse_temperature")));
   PlanOptions plan_options;
   plan_options.q_per_cta = int(meta.integer("q_per_cta", 1, 1 << 20).value_or(plan_options.q_per_cta));
   const double kl_grad_scale = meta.number("kl_grad_scale").value_or(0.0);
   if (!(std::isfinite(kl_grad_scale) && kl_grad_scale >= 0))
-    invalid(in_path + ": __metadata__ 'kl_grad_scale' must be finite and >= 0, got " + *meta.text("kl_grad_scale"));
+    invalid(in_path + ": __metadata__ 'kl_grad_scale' must be finite and >= 0, got " + quote_short(*meta.text("kl_grad_scale")));
 
   PackedLayout layout;
   try {
@@ -282,7 +305,15 @@ int run_case(const std::string& in_path, const std::string& out_path, const RunC
       {"indexer_lse", given_topk ? "host float64 over the given topk" : "msa select_blocks"},
       {"gradient_dtype", "F32"},
   };
+  if (out_path.empty()) return 0;
   write_safetensors(out_path, outputs, out_meta);
+  if (options.summary) {
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    std::printf("run-case: training, %s, %lld tokens in %d document%s, %s%s; wrote %zu tensors to %s in %.2f s\n",
+                to_string(dev).c_str(), static_cast<long long>(total_q), layout.num_documents(),
+                layout.num_documents() == 1 ? "" : "s", given_topk ? "given topk, " : "indexer, ",
+                grad_out ? "forward + backward + KL" : "forward", outputs.size(), out_path.c_str(), seconds);
+  }
   return 0;
 }
 

@@ -29,7 +29,9 @@
 
 namespace msa::tool {
 
-// Returns the exit code (0); throws msa::Error on bad input.
+// Returns the exit code (0) and prints a one-line summary; throws msa::Error on bad input.
 int run_case(const std::string& in_path, const std::string& out_path, const RunCaseOptions& options);
+// The same on a file already read (an empty `out_path` writes nothing: the fuzz target).
+int run_case(const SafetensorsFile& in, const std::string& out_path, const RunCaseOptions& options);
 
 }  // namespace msa::tool

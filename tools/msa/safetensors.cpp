@@ -15,6 +15,7 @@
 #include <fstream>
 #include <limits>
 #include <set>
+#include <span>
 #include <sstream>
 
 #include <nlohmann/json.hpp>
@@ -33,6 +34,10 @@ using nlohmann::json;
 // Headers larger than this are refused (as other readers of the format do): a corrupt length
 // field must not make us allocate gigabytes.
 constexpr uint64_t kMaxHeaderBytes = 100u << 20;
+// A valid header nests 3 levels ({name: {"shape": [..]}}); the JSON parser recurses once per
+// level, so a hostile header nested tens of thousands deep would overflow the stack. Deeper
+// headers are refused by a flat scan before the parser runs.
+constexpr int kMaxHeaderDepth = 16;
 
 template <typename... Parts>
 std::string cat(const Parts&... parts) {
@@ -43,6 +48,28 @@ std::string cat(const Parts&... parts) {
 
 [[noreturn]] void bad_file(const std::string& path, const std::string& what) {
   throw Error(ErrorKind::invalid_argument, cat(path, ": ", what));
+}
+
+// Refuses headers nested deeper than kMaxHeaderDepth; strings (with their escapes) are skipped
+// so that brackets inside names and values do not count.
+void check_nesting(const std::string& path, const std::string& text) {
+  int depth = 0;
+  bool in_string = false;
+  for (size_t i = 0; i < text.size(); ++i) {
+    const char c = text[i];
+    if (in_string) {
+      if (c == '\\') ++i;
+      else if (c == '"') in_string = false;
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      if (++depth > kMaxHeaderDepth)
+        bad_file(path, cat("header nests JSON arrays / objects more than ", kMaxHeaderDepth,
+                           " levels deep (at byte ", i, " of the header; a safetensors header needs 3)"));
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
 }
 
 std::string shape_text(const std::vector<int64_t>& shape) {
@@ -77,9 +104,11 @@ json parse_header(const std::string& path, const std::string& text) {
   try {
     header = json::parse(text, on_event);
   } catch (const json::exception& e) {
-    bad_file(path, cat("header is not valid JSON (", e.what(), ")"));
+    // The parser's message repeats the token it read, which can be the whole header.
+    const std::string why = e.what();
+    bad_file(path, cat("header is not valid JSON (", why.size() > 160 ? why.substr(0, 160) + "..." : why, ")"));
   }
-  if (!duplicate.empty()) bad_file(path, cat("header holds the key '", duplicate, "' twice"));
+  if (!duplicate.empty()) bad_file(path, cat("header holds the key ", quote_short(duplicate), " twice"));
   if (!header.is_object()) bad_file(path, cat("header must be a JSON object, got ", header.type_name()));
   return header;
 }
@@ -92,12 +121,12 @@ struct Entry {
 };
 
 Entry parse_entry(const std::string& path, const std::string& name, const json& info) {
-  const std::string where = cat("tensor '", name, "'");
+  const std::string where = cat("tensor ", quote_short(name));
   if (!info.is_object()) bad_file(path, cat(where, " must be described by a JSON object, got ", info.type_name()));
   for (const auto& [key, value] : info.items()) {
     (void)value;
     if (key != "dtype" && key != "shape" && key != "data_offsets")
-      bad_file(path, cat(where, " has an unknown field '", key, "' (expected dtype, shape, data_offsets)"));
+      bad_file(path, cat(where, " has an unknown field ", quote_short(key), " (expected dtype, shape, data_offsets)"));
   }
   Entry e;
   e.name = name;
@@ -113,11 +142,11 @@ Entry parse_entry(const std::string& path, const std::string& name, const json& 
     bad_file(path, cat(where, " has rank ", info["shape"].size(), "; at most ", kMaxRank, " is supported"));
   int64_t numel = 1;
   for (const json& d : info["shape"]) {
-    if (!d.is_number_unsigned()) bad_file(path, cat(where, " shape must hold non-negative integers, got ", info["shape"].dump()));
+    if (!d.is_number_unsigned()) bad_file(path, cat(where, " shape must hold non-negative integers, got ", quote_short(info["shape"].dump())));
     const uint64_t v = d.get<uint64_t>();
     if (v > uint64_t(std::numeric_limits<int32_t>::max()) ||
         (numel > 0 && v > uint64_t(std::numeric_limits<int64_t>::max() / 8) / uint64_t(numel)))
-      bad_file(path, cat(where, " shape ", info["shape"].dump(), " is too large"));
+      bad_file(path, cat(where, " shape ", quote_short(info["shape"].dump()), " is too large"));
     e.shape.push_back(int64_t(v));
     numel *= int64_t(v);
   }
@@ -125,7 +154,7 @@ Entry parse_entry(const std::string& path, const std::string& name, const json& 
   const json& offsets = info.contains("data_offsets") ? info["data_offsets"] : json();
   if (!offsets.is_array() || offsets.size() != 2 || !offsets[0].is_number_unsigned() || !offsets[1].is_number_unsigned())
     bad_file(path, cat(where, " needs 'data_offsets' = [begin, end] of non-negative integers, got ",
-                       info.contains("data_offsets") ? offsets.dump() : std::string("nothing")));
+                       info.contains("data_offsets") ? quote_short(offsets.dump()) : std::string("nothing")));
   e.begin = offsets[0].get<uint64_t>();
   e.end = offsets[1].get<uint64_t>();
   if (e.end < e.begin) bad_file(path, cat(where, " data_offsets [", e.begin, ", ", e.end, "] end before they begin"));
@@ -187,11 +216,33 @@ DType parse_safetensors_dtype(const std::string& name) {
   for (DType t : {DType::bf16, DType::f16, DType::f32, DType::i32, DType::u8, DType::f8e4m3})
     if (name == safetensors_dtype_name(t)) return t;
   throw Error(ErrorKind::invalid_argument,
-              cat("unsupported dtype '", name, "' (supported: BF16, F16, F32, I32, U8, F8_E4M3)"));
+              cat("unsupported dtype ", quote_short(name), " (supported: BF16, F16, F32, I32, U8, F8_E4M3)"));
+}
+
+std::string quote_short(std::string_view text, size_t max_chars) {
+  std::string out = "'";
+  size_t shown = 0;
+  for (; shown < text.size() && shown < max_chars; ++shown) {
+    const auto c = static_cast<unsigned char>(text[shown]);
+    if (c >= 0x20 && c < 0x7f) {
+      out += char(c);
+    } else {  // control bytes and non-ASCII stay readable and cannot corrupt a terminal
+      char hex[8];
+      std::snprintf(hex, sizeof hex, "\\x%02x", c);
+      out += hex;
+    }
+  }
+  out += "'";
+  if (shown < text.size()) out += cat("... (", text.size(), " characters in all)");
+  return out;
 }
 
 SafetensorsFile SafetensorsFile::read(const std::string& path) {
   const std::vector<uint8_t> file = read_whole_file(path);
+  return parse(file, path);
+}
+
+SafetensorsFile SafetensorsFile::parse(std::span<const uint8_t> file, const std::string& path) {
   if (file.size() < 8)
     bad_file(path, cat("truncated: ", file.size(), " bytes, but a safetensors file starts with an 8-byte header length"));
   uint64_t header_len = 0;
@@ -203,6 +254,7 @@ SafetensorsFile SafetensorsFile::read(const std::string& path) {
   if (header_len < 2) bad_file(path, cat("header length ", header_len, " is too small for a JSON object"));
   const std::string text(reinterpret_cast<const char*>(file.data()) + 8, size_t(header_len));
   if (text[0] != '{') bad_file(path, "header must start with '{'");
+  check_nesting(path, text);
 
   const json header = parse_header(path, text);
   SafetensorsFile out;
@@ -212,7 +264,7 @@ SafetensorsFile SafetensorsFile::read(const std::string& path) {
     if (key == "__metadata__") {
       if (!value.is_object()) bad_file(path, cat("__metadata__ must be an object of strings, got ", value.type_name()));
       for (const auto& [mk, mv] : value.items()) {
-        if (!mv.is_string()) bad_file(path, cat("__metadata__ value of '", mk, "' must be a string, got ", mv.dump()));
+        if (!mv.is_string()) bad_file(path, cat("__metadata__ value of ", quote_short(mk), " must be a string, got ", quote_short(mv.dump())));
         out.metadata[mk] = mv.get<std::string>();
       }
       continue;
@@ -231,11 +283,11 @@ SafetensorsFile SafetensorsFile::read(const std::string& path) {
   const Entry* previous = nullptr;
   for (const Entry* e : by_offset) {
     if (e->end > data_len)
-      bad_file(path, cat("tensor '", e->name, "' data_offsets [", e->begin, ", ", e->end, "] run past the end of the ",
+      bad_file(path, cat("tensor ", quote_short(e->name), " data_offsets [", e->begin, ", ", e->end, "] run past the end of the ",
                          data_len, "-byte data section (truncated file?)"));
     if (e->begin < covered)
-      bad_file(path, cat("tensor '", e->name, "' data_offsets [", e->begin, ", ", e->end, "] overlap tensor '",
-                         previous->name, "' [", previous->begin, ", ", previous->end, "]"));
+      bad_file(path, cat("tensor ", quote_short(e->name), " data_offsets [", e->begin, ", ", e->end, "] overlap tensor ",
+                         quote_short(previous->name), " [", previous->begin, ", ", previous->end, "]"));
     if (e->begin > covered)
       bad_file(path, cat("data bytes [", covered, ", ", e->begin, ") belong to no tensor (the format allows no holes)"));
     covered = e->end;
@@ -263,7 +315,7 @@ const StTensor* SafetensorsFile::find(const std::string& name) const {
 
 const StTensor& SafetensorsFile::get(const std::string& name) const {
   if (const StTensor* t = find(name)) return *t;
-  throw Error(ErrorKind::invalid_argument, cat(path, " has no tensor '", name, "'"));
+  throw Error(ErrorKind::invalid_argument, cat(path, " has no tensor ", quote_short(name)));
 }
 
 void write_safetensors(const std::string& path, const std::vector<StTensor>& tensors,

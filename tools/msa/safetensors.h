@@ -5,7 +5,9 @@
 
 #include <cstdint>
 #include <map>
+#include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "msa/tensor.h"
@@ -32,13 +34,22 @@ struct SafetensorsFile {
 
   // Throws msa::Error naming the file and what is wrong (bad header, unknown dtype,
   // offsets out of range, truncated data, ...).
+  // Every length, offset and nesting level is checked against the file before it is used, and
+  // messages quote at most a short prefix of any name or value taken from the file.
   static SafetensorsFile read(const std::string& path);
+  // The same for a file already in memory; `path` only names it in messages.
+  static SafetensorsFile parse(std::span<const uint8_t> bytes, const std::string& path);
   const StTensor* find(const std::string& name) const;
   // Throws msa::Error "<path> has no tensor '<name>'" when absent.
   const StTensor& get(const std::string& name) const;
 
   std::string path;
 };
+
+// `text` in single quotes for an error message, cut after `max_chars` characters (the message
+// then says how long it was) and with control / non-ASCII bytes written as \xNN: names and
+// values come from files that may be hostile, and a message must stay one readable line.
+std::string quote_short(std::string_view text, size_t max_chars = 64);
 
 // "BF16", "F16", "F32", "I32", "U8", "F8_E4M3" <-> DType.
 std::string safetensors_dtype_name(DType t);

@@ -30,7 +30,8 @@ AttentionForwardParams StepBuffers::forward_params() const {
   p.q = q.view();
   p.k = k.view();
   p.v = v.view();
-  p.topk = topk.view();
+  // topk stays empty: the library then reads the plan's own copy of the selection, which
+  // needs no comparison (another tensor would be compared with it: a sync on CUDA).
   p.out = out.view();
   p.lse = lse.view();
   return p;
@@ -41,8 +42,7 @@ AttentionBackwardParams StepBuffers::backward_params() const {
   p.q = q.view();
   p.k = k.view();
   p.v = v.view();
-  p.topk = topk.view();
-  p.out = out.view();
+  p.out = out.view();  // topk empty: the plan's own selection (see forward_params)
   p.lse = lse.view();
   p.dout = dout.view();
   p.dq = dq.view();
@@ -58,8 +58,7 @@ KlBackwardParams StepBuffers::kl_params() const {
   p.lse = lse.view();
   p.index_q = index_q.view();
   p.index_k = index_k.view();
-  p.index_lse = index_lse.view();
-  p.topk = topk.view();
+  p.index_lse = index_lse.view();  // topk empty: the plan's own selection
   p.dindex_q = dindex_q.view();
   p.dindex_k = dindex_k.view();
   return p;

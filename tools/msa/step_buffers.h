@@ -23,7 +23,8 @@ struct StepBuffers {
   // bf16 gradients (dq, dk, dv, dindex_q, dindex_k).
   void allocate_outputs(DeviceArena& arena, const Topology& topo, int64_t total_q, int64_t total_k);
 
-  // Views of the buffers above; other fields keep their defaults.
+  // Views of the buffers above; other fields keep their defaults. The attention and KL params
+  // leave topk empty, so the library reads the selection the plan holds.
   SelectBlocksParams select_blocks_params() const;
   AttentionForwardParams forward_params() const;
   AttentionBackwardParams backward_params() const;
