@@ -52,6 +52,30 @@ void check_scale_value(const TensorView& s, const char* name) {
   require(std::isfinite(v) && v > 0, concat(name, " must be finite and > 0, got ", v));
 }
 
+// Per-(head, token) scales are cache data: on the host, every slot the plan reads (positions
+// below each request's seq_len) must hold a usable multiplier, as a per-tensor scale must.
+void check_token_scale_values(const InferencePlan& plan, const PagedKvCache& c) {
+  if (!c.k_scale.present() || c.k_scale.rank != 2 || on_cuda(c.k_scale)) return;
+  const auto* seq_lens = static_cast<const int32_t*>(plan.seq_lens.data());
+  const auto* page_table = static_cast<const int32_t*>(plan.page_table.data());
+  const char* names[2] = {"k_scale", "v_scale"};
+  const TensorView* scales[2] = {&c.k_scale, &c.v_scale};
+  for (int i = 0; i < 2; ++i) {
+    const auto* s = scales[i]->as<const float>();
+    const int64_t heads = scales[i]->shape[0], row = scales[i]->shape[1];  // contiguous (checked)
+    for (int64_t b = 0; b < plan.batch; ++b)
+      for (int64_t pos = 0; pos < seq_lens[b]; ++pos) {
+        const int64_t slot = int64_t(page_table[b * plan.max_pages + pos / kPageSize]) * kPageSize + pos % kPageSize;
+        for (int64_t h = 0; h < heads; ++h) {
+          const float v = s[h * row + slot];
+          if (!(std::isfinite(v) && v > 0))
+            fail(concat(names[i], "[", h, ", ", slot, "] (request ", b, ", position ", pos,
+                        ") must be finite and > 0, got ", v));
+        }
+      }
+  }
+}
+
 const char* format_name(KvFormat f) {
   switch (f) {
     case KvFormat::bf16: return "bf16";
@@ -171,6 +195,7 @@ void check_attention_tensors(const InferencePlan& plan, const PagedAttentionPara
     check_rows_aligned(p.kv.v_block_scale, "v_block_scale", 8);
   }
   check_pages_cover(pages, plan, "k_cache");
+  check_token_scale_values(plan, p.kv);
   detail::check_tensor(p.out, "out", {DType::bf16, DType::f32}, {Tq, Dim(t.num_q_heads, "Hq"), Dim(kHeadDim)}, dev);
   detail::check_tensor(p.lse, "lse", {DType::f32}, {Tq, Dim(t.num_q_heads, "Hq")}, dev);
 }
