@@ -345,3 +345,18 @@ def test_layout_of_padded_cached_and_packed_batches():
     assert lay.cu_q.tolist() == [0, 3] and lay.q_slots.tolist() == [0, 1, 2]
     with pytest.raises(msa.InvalidArgumentError, match="jump"):
         build(None, torch.tensor([[0, 1, 2, 0, 1]]), True, None, 1, 5, 5, "cpu")
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    model = use(make_model(seed=12), "msa").train()
+    ids = tokens(1, 3 * BLOCK_SIZE, seed=12)
+    grads = []
+    for checkpointing in (False, True):
+        if checkpointing:
+            model.gradient_checkpointing_enable()
+        model.zero_grad(set_to_none=True)
+        model(ids, labels=ids, use_cache=False).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys()
+    for name, g in grads[0].items():
+        assert rel(grads[1][name], g) < 1e-2, name
