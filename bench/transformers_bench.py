@@ -16,7 +16,7 @@ out of memory is reported as OOM and the longer lengths of that implementation a
 tried; cases are skipped once --budget seconds have passed. Prints a markdown table.
 
   python bench/transformers_bench.py [--part layer|model|all] [--lengths 4096 ... 131072]
-                                     [--impls msa sdpa eager] [--budget 540]
+                                     [--impls msa sdpa eager] [--budget 480]
 
 Check (--check): a random text model with 2 sparse layers and one full layer (hidden 2048,
 64 / 4 / 4 heads) through "msa": logits and 32 greedy tokens against "sdpa" at --compare-length
@@ -345,7 +345,7 @@ def main():
     ap.add_argument("--impls", nargs="+", default=["msa", "sdpa", "eager"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--decode-steps", type=int, default=8)
-    ap.add_argument("--budget", type=float, default=540.0, help="seconds after which remaining cases are skipped")
+    ap.add_argument("--budget", type=float, default=480.0, help="seconds after which remaining cases are skipped")
     ap.add_argument("--context", type=int, default=65536)
     ap.add_argument("--compare-length", type=int, default=8192)
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU: checks that the script runs")
