@@ -5,8 +5,8 @@ tensors as capsules, ml_dtypes bf16 NumPy arrays as their uint16 bits), integer 
 integer metadata checked before they are converted (a float ``cu_seqlens`` or page table is
 refused, never truncated), the run options (``deterministic``, ``num_threads`` in range, the
 stream), and the native calls themselves. ``msa.functional``, ``msa.inference``, the PyTorch
-ops of ``msa.torch`` and context parallelism go through these functions; none of them calls
-``_native`` directly.
+ops of ``msa.torch``, its allocator hook and context parallelism go through these functions;
+elsewhere ``_native`` is used only for its error classes and types.
 """
 
 import operator
@@ -79,6 +79,21 @@ class on_device:
     def __exit__(self, *exc):
         if self._ctx is not None:
             self._ctx.__exit__(*exc)
+
+
+# ---- the build and its device allocator ------------------------------------------------------
+
+def built_with_cuda():
+    return _native.built_with_cuda()
+
+
+def set_device_allocator(allocate, deallocate):
+    """Python callables as msa's CUDA allocator ((None, None) restores the built-in one)."""
+    _native.set_device_allocator(allocate, deallocate)
+
+
+def device_allocator():
+    return _native.device_allocator()
 
 
 # ---- scalars and options -------------------------------------------------------------------

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from .. import _native
+from .. import _calls, _native
 
 
 def _allocate(nbytes: int, device: int, stream: int) -> int:
@@ -30,19 +30,19 @@ def use_torch_allocator(enabled: bool = True) -> None:
     if enabled:
         if torch.version.cuda is None:
             raise _native.UnsupportedError("use_torch_allocator: this PyTorch build has no CUDA")
-        _native.set_device_allocator(_allocate, _deallocate)
+        _calls.set_device_allocator(_allocate, _deallocate)
     else:
-        _native.set_device_allocator(None, None)
+        _calls.set_device_allocator(None, None)
 
 
 def torch_allocator_in_use() -> bool:
     """Whether msa's CUDA allocations go through PyTorch's caching allocator."""
-    current = _native.device_allocator()
+    current = _calls.device_allocator()
     return isinstance(current, tuple) and current[0] is _allocate
 
 
 def _install_default() -> None:
     if os.environ.get("MSA_TORCH_ALLOCATOR", "1") == "0":
         return
-    if torch.version.cuda is not None and _native.built_with_cuda() and _native.device_allocator() is None:
+    if torch.version.cuda is not None and _calls.built_with_cuda() and _calls.device_allocator() is None:
         use_torch_allocator(True)
