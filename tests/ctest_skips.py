@@ -15,21 +15,24 @@ from collections import OrderedDict
 def skipped_tests(log_text):
     """(test name, reason) for each skipped test of a LastTest.log."""
     out = []
-    for block in re.split(r"\n-{20,}\n(?=\d+/\d+ Testing: )", log_text):
+    for block in re.split(r"\n(?=\d+/\d+ Testing: )", log_text):
         m = re.search(r"^\d+/\d+ Testing: (.+)$", block, re.M)
+        if not m:
+            continue
         # ctest marks skips as "Test Skipped" / "Not Run" or, for SKIP_REGULAR_EXPRESSION
-        # (gtest_discover_tests' GTEST_SKIP), "Skip regular expression found in output".
-        if not m or not re.search(r"^Test (Skipped|Not Run)|Skip (regular expression|return code) found", block, re.M):
+        # (gtest_discover_tests' GTEST_SKIP), "Skip regular expression found in output"; a
+        # SKIP_RETURN_CODE skip is logged as passed, so the scripts' "SKIP: <reason>" line counts.
+        flagged = re.search(r"^Test (Skipped|Not Run)|Skip (regular expression|return code) found", block, re.M)
+        script_skip = re.search(r"^SKIP: (.+)$", block, re.M)
+        if not flagged and not script_skip:
             continue
         name = m.group(1).strip()
         reason = None
         g = re.search(r": Skipped\n(.*?)\n\[  SKIPPED \]", block, re.S)  # GTEST_SKIP() << reason
         if g and g.group(1).strip():
             reason = " ".join(g.group(1).split())
-        if reason is None:
-            s = re.search(r"^(?:SKIP\b:?|skip(?:ped)?:)\s*(.+)$", block, re.M)
-            if s:
-                reason = s.group(1).strip()
+        if reason is None and script_skip:
+            reason = script_skip.group(1).strip()
         out.append((name, reason or "no reason printed"))
     return out
 

@@ -5,7 +5,7 @@
 #include <map>
 #include <numeric>
 
-#include "test_support.h"
+#include "test_gpu_support.h"
 
 namespace msa::test {
 namespace {
@@ -251,6 +251,37 @@ TEST(PlanSelection, CallsRefuseASelectionThePlanWasNotBuiltFrom) {
   const std::vector<int32_t> b_ids = b.ints();
   std::copy(b_ids.begin(), b_ids.end(), reused.topk.data<int32_t>());
   expect_error([&] { run_forward(reused); }, pieces);
+}
+
+// The same on CUDA: another device selection is refused (after a copy of both to the host),
+// the same contents in other device memory, the plan's own copy and no topk are accepted.
+TEST(PlanSelection, CudaCallsRefuseASelectionThePlanWasNotBuiltFrom) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  const Topology topo = Topology::minimax_m3(4);
+  const PackedLayout L = layout_of({2300, 129});
+  const HostTensor a = library_selection(rng, topo, L), b = library_selection(rng, topo, L);
+  ASSERT_NE(a.ints(), b.ints());
+  const AttentionCase c = make_case(rng, topo, L, HostTensor(a));
+  DeviceTensor q(c.q), k(c.k), v(c.v), topk_a(a), topk_b(b), topk_a2(a);
+  const SparsePlan plan = build_plan(topo, L, topk_a.view());
+  EXPECT_EQ(plan.selection.view().device, kGpu);
+  const ForwardOutputs want = gpu_forward(c, plan, q, k, v, topk_a);
+  EXPECT_EQ(gpu_forward(c, plan, q, k, v, topk_a2).out.floats(), want.out.floats());
+  expect_error([&] { gpu_forward(c, plan, q, k, v, topk_b); },
+               {"topk does not match the selection the plan was built from", "plan.selection"});
+  DeviceTensor out(DType::bf16, {L.total_q(), 16, 128}), lse(DType::f32, {L.total_q(), 16});
+  AttentionForwardParams p;
+  p.q = q.view();
+  p.k = k.view();
+  p.v = v.view();
+  p.out = out.view();
+  p.lse = lse.view();
+  for (const TensorView& topk : {plan.selection.view(), TensorView{}}) {
+    p.topk = topk;
+    sparse_attention_forward(topo, L, plan, p);
+    EXPECT_EQ(out.host().floats(), want.out.floats());
+  }
 }
 
 }  // namespace
