@@ -57,6 +57,28 @@ struct KlStorage {
 };
 constexpr int kSmemBytes = storage_smem_bytes<KlStorage>();
 
+// One step of a butterfly sum over lanes: lanes l and l ^ kHalf both hold v[0 .. 2 kHalf);
+// afterwards each holds in v[0 .. kHalf) the pair's sums of the half that its lane bit kHalf
+// selects (upper half when set). kHalf shuffles instead of 2 kHalf.
+// The selects are PTX selp: as C++ `?:` the compiler turns them into a branch on the lane
+// bit with the shuffles inside, which then run divergent (the slow collective path).
+__device__ __forceinline__ float select_lane(uint32_t upper, float if_upper, float if_lower) {
+  float r;
+  asm("{\n .reg .pred p;\n setp.ne.u32 p, %3, 0;\n selp.f32 %0, %1, %2, p;\n}" : "=f"(r)
+      : "f"(if_upper), "f"(if_lower), "r"(upper));
+  return r;
+}
+template <int kHalf>
+__device__ __forceinline__ void fold_half(float (&v)[32], int lane) {
+  const uint32_t upper = uint32_t(lane) & kHalf;
+#pragma unroll
+  for (int i = 0; i < kHalf; ++i) {
+    const float send = select_lane(upper, v[i], v[i + kHalf]);
+    const float keep = select_lane(upper, v[i + kHalf], v[i]);
+    v[i] = keep + __shfl_xor_sync(0xffffffffu, send, kHalf);
+  }
+}
+
 struct KlChunks {
   const KlArgs& a;
   const uint32_t ks, iks, qs0, iqs0, dst, ikfs;
@@ -103,9 +125,9 @@ struct KlChunks {
 
   // Teacher of warp w's query: column sums of exp(S scale - lse) over its 16 heads, visible
   // keys only (selected, never multiplied: S may be NaN on a masked key). Branch-free: the
-  // exponentials are not duplicated per condition and the shuffles stay out of divergent code.
+  // exponentials are not duplicated per condition.
   __device__ void teacher_row(const Chunk& ch, uint32_t qs, const QueryMeta& m) {
-    float s[16][4], colsum[16][2];
+    float s[16][4], colsum[32];  // colsum[2 nt + e]: column nt * 8 + 2t + e, this lane's 2 heads
     wgmma_rows_x128(s, qs, kSubRows, 64 * (warp >> 2), ks, kBlockSize, 0);
     const int row = m.row, limit = row >= 0 ? m.limit : -1;  // an empty slot sees no key
     const int64_t hrow = int64_t(max(row, 0)) * a.Hq + kGroupSize * ch.head_kv + r0;
@@ -119,18 +141,21 @@ struct KlChunks {
       for (int e = 0; e < 2; ++e) {
         const bool vis = nt * 8 + 2 * t + e <= limit;
         const float pa = fast_exp2(s[nt][e] * a.scale_log2 - la), pb = fast_exp2(s[nt][2 + e] * a.scale_log2 - lb);
-        colsum[nt][e] = vis ? pa + pb : 0.f;
+        colsum[2 * nt + e] = vis ? pa + pb : 0.f;
       }
-#pragma unroll
-    for (int nt = 0; nt < 16; ++nt)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        float v = colsum[nt][e];
-        v += __shfl_xor_sync(0xffffffffu, v, 4);
-        v += __shfl_xor_sync(0xffffffffu, v, 8);
-        v += __shfl_xor_sync(0xffffffffu, v, 16);
-        if (r0 == 0) teacher[warp][nt * 8 + 2 * t + e] = v * (1.f / kGroupSize);
-      }
+    // Sum over the 8 lanes of a column group (r0 = lane bits 2..4) by halving: per lane bit,
+    // a lane keeps the half of its values that the bit selects and adds its partner's copy of
+    // it, so that lane r0 ends with columns 2 r0 and 2 r0 + 1 of every t (colsum[0..3]). Every
+    // lane stores: no lane-dependent branch around the shuffles, whose divergent form (the
+    // compiler unswitched an `if (r0 == 0)` store over them) kept the warp split through the
+    // rest of the sub-chunk.
+    fold_half<16>(colsum, lane);
+    fold_half<8>(colsum, lane);
+    fold_half<4>(colsum, lane);
+    constexpr float kMean = 1.f / kGroupSize;
+    const int col = 16 * r0 + 2 * t;  // column (2 r0) * 8 + 2t
+    *reinterpret_cast<float2*>(&teacher[warp][col]) = make_float2(colsum[0] * kMean, colsum[1] * kMean);
+    *reinterpret_cast<float2*>(&teacher[warp][col + 8]) = make_float2(colsum[2] * kMean, colsum[3] * kMean);
   }
 
   // Student and ds of all 8 queries on keys 16w..16w+15 (row r0 = query r0) into the ds tile.
@@ -145,18 +170,17 @@ struct KlChunks {
       mma_bf16(si[1], af, bf[2], bf[3]);
     }
     const float il = m.row >= 0 ? a.index_lse[int64_t(ch.head_kv) * a.chunks.total_q + m.row] * math::kLog2e : -INFINITY;
+    const int limit = m.row >= 0 ? m.limit : -1;  // an empty slot sees no key
+    // ds selected by visibility: a masked key's score may be NaN and is never used.
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       float ds[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int col = warp * 16 + nt * 8 + 2 * t + e;
-        float v = 0.f;
-        if (m.row >= 0 && col <= m.limit) {
-          const float student = il == -INFINITY ? 0.f : fast_exp2(si[nt][e] * a.index_scale_log2 - il);
-          v = (student - teacher[r0][col]) * a.grad_scale;
-        }
-        ds[e] = v;
+        const float student = il == -INFINITY ? 0.f : fast_exp2(si[nt][e] * a.index_scale_log2 - il);
+        const float v = (student - teacher[r0][col]) * a.grad_scale;
+        ds[e] = col <= limit ? v : 0.f;
       }
       st_shared_u32(dst + tile_offset(16, r0, warp * 2 + nt) + 4 * t, pack_bf16(ds[0], ds[1]));
     }
@@ -173,17 +197,21 @@ struct KlChunks {
       mma_bf16(dq[0], af, bf[0], bf[1]);
       mma_bf16(dq[1], af, bf[2], bf[3]);
     }
-    if (m.row < 0) return;
+    // Stores of the slots that hold a query; no early return: d index_k's ldmatrix / mma.sync
+    // follow in sub_chunk and need the whole warp.
+    if (m.row >= 0) {
 #pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const int dim = warp * 16 + nt * 8 + 2 * t;
-      const float2 v = make_float2(dq[nt][0] * a.index_scale, dq[nt][1] * a.index_scale);
-      const int64_t rh = int64_t(m.row) * a.Hkv + ch.head_kv;
-      if (a.deterministic)
-        *reinterpret_cast<float2*>(a.dqi_part + (int64_t(m.slot) * a.chunks.total_q * a.Hkv + rh) * kHeadDim + dim) = v;
-      else
-        atomicAdd(reinterpret_cast<float2*>(a.dqi_acc + rh * kHeadDim + dim), v);
+      for (int nt = 0; nt < 2; ++nt) {
+        const int dim = warp * 16 + nt * 8 + 2 * t;
+        const float2 v = make_float2(dq[nt][0] * a.index_scale, dq[nt][1] * a.index_scale);
+        const int64_t rh = int64_t(m.row) * a.Hkv + ch.head_kv;
+        if (a.deterministic)
+          *reinterpret_cast<float2*>(a.dqi_part + (int64_t(m.slot) * a.chunks.total_q * a.Hkv + rh) * kHeadDim + dim) = v;
+        else
+          atomicAdd(reinterpret_cast<float2*>(a.dqi_acc + rh * kHeadDim + dim), v);
+      }
     }
+    __syncwarp();
   }
 
   template <class Release>
