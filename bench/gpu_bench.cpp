@@ -253,7 +253,8 @@ int main(int argc, char** argv) {
       fp.q = q.view;
       fp.k = k.view;
       fp.v = v.view;
-      fp.topk = topk.view;
+      // The plan's own copy of the selection: no comparison with another tensor (ops.h).
+      fp.topk = plan.selection.view();
       fp.out = out.view;
       fp.lse = lse.view;
       r.fwd_ms = time_ms(s, 2, reps, [&] { sparse_attention_forward(topo, L, plan, fp, opt); });
@@ -261,7 +262,7 @@ int main(int argc, char** argv) {
       bp.q = q.view;
       bp.k = k.view;
       bp.v = v.view;
-      bp.topk = topk.view;
+      bp.topk = plan.selection.view();
       bp.out = out.view;
       bp.lse = lse.view;
       bp.dout = dout.view;
@@ -279,7 +280,7 @@ int main(int argc, char** argv) {
       kp.index_q = iq.view;
       kp.index_k = ik.view;
       kp.index_lse = sel_lse.view;
-      kp.topk = topk.view;
+      kp.topk = plan.selection.view();
       kp.dindex_q = diq.view;
       kp.dindex_k = dik.view;
       r.kl_ms = time_ms(s, 2, reps, [&] { kl_backward(topo, L, plan, kp, opt); });

@@ -41,6 +41,9 @@ void sparse_attention_backward(const Topology&, const PackedLayout&, const Spars
 void kl_backward(const Topology&, const PackedLayout&, const SparsePlan&, const KlBackwardParams&,
                  const RunOptions&);
 void merge_states(const MergeStatesParams&, const RunOptions&);
+// Index of the first element where two contiguous int32 tensors of the same shape on this
+// device differ, or -1; waits for `opt.stream` (reads back 8 bytes).
+int64_t first_selection_difference(const TensorView& a, const TensorView& b, const RunOptions&);
 }  // namespace cuda
 
 }  // namespace msa

@@ -88,8 +88,9 @@ struct SparsePlan {
   // selection, so forward / backward / KL refuse a `topk` argument with other contents
   // ("topk does not match the selection the plan was built from"). Passing selection.view()
   // (or leaving the params' topk empty, which means the same) is accepted without reading
-  // any contents; any other tensor is compared: a memcmp on the CPU, on CUDA a copy of both
-  // to the host and one synchronisation of opt.stream. During CUDA graph capture contents
+  // any contents; any other tensor is compared: a memcmp on the CPU, on CUDA a compare kernel
+  // on opt.stream whose 8-byte result is read back (one synchronisation of opt.stream: pass
+  // selection.view() in a loop that must not wait). During CUDA graph capture contents
   // cannot be read, so there only this plan's own selection is verified.
   Buffer selection;
   // CUDA plans only. build_plan does not wait for the device, so an invalid topk is found

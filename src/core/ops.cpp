@@ -69,9 +69,8 @@ TensorView bound_selection(const SparsePlan& plan, const TensorView& topk, const
           concat(op, ": the plan holds no selection (it was not made by build_plan); build it with build_plan"));
   const TensorView own = plan.selection.view();
   if (!topk.present() || topk.data == own.data) return own;  // the plan's own copy: nothing to compare
-  const int64_t n = own.numel();
-  std::vector<int32_t> given_host, own_host;
-  const int32_t *given = topk.as<const int32_t>(), *built = own.as<const int32_t>();
+  int64_t i = -1;
+  int32_t given_at = 0, built_at = 0;
   if (own.device.is_cuda()) {
 #if MSA_WITH_CUDA
     // A capturing stream cannot be read from the host; only the plan's own copy is verified then.
@@ -82,21 +81,34 @@ TensorView bound_selection(const SparsePlan& plan, const TensorView& topk, const
     }
     if (capture != cudaStreamCaptureStatusNone) return topk;
 #endif
-    given_host.resize(size_t(n));
-    own_host.resize(size_t(n));
-    // Both copies are ordered on opt.stream (after whatever wrote topk there); the copy to the
-    // host returns when it is complete.
-    copy(own, TensorView::contiguous(own_host.data(), DType::i32, own.shape_vector()), opt.stream);
-    copy(topk, TensorView::contiguous(given_host.data(), DType::i32, own.shape_vector()), opt.stream);
-    given = given_host.data();
-    built = own_host.data();
+    // Compared on the device (ordered on opt.stream after whatever wrote topk); 8 bytes come
+    // back, and 8 more to name the difference.
+    i = detail::dispatch(op, own.device, [] { return int64_t(-1); },
+                         [&] { return cuda::first_selection_difference(topk, own, opt); });
+    if (i >= 0) {
+      const auto at = [&](const TensorView& t) {
+        int32_t v = 0;
+        TensorView one = TensorView::contiguous(static_cast<int32_t*>(t.data) + i, DType::i32, {1}, t.device);
+        copy(one, TensorView::contiguous(&v, DType::i32, {1}), opt.stream);
+        return v;
+      };
+      given_at = at(topk);
+      built_at = at(own);
+    }
+  } else {
+    const int32_t *given = topk.as<const int32_t>(), *built = own.as<const int32_t>();
+    const int64_t n = own.numel();
+    if (std::memcmp(given, built, size_t(n) * sizeof(int32_t)) != 0) {
+      i = 0;
+      while (given[i] == built[i]) ++i;
+      given_at = given[i];
+      built_at = built[i];
+    }
   }
-  if (std::memcmp(given, built, size_t(n) * sizeof(int32_t)) == 0) return topk;
-  int64_t i = 0;
-  while (given[i] == built[i]) ++i;
+  if (i < 0) return topk;
   const int64_t K = own.shape[2], rows = own.shape[1];
   fail(concat(op, ": topk does not match the selection the plan was built from (first difference at topk[", i / K / rows,
-              ", ", i / K % rows, ", ", i % K, "]: ", given[i], " here, ", built[i],
+              ", ", i / K % rows, ", ", i % K, "]: ", given_at, " here, ", built_at,
               " in the plan); build a plan from this topk, or pass the plan's own plan.selection"));
 }
 
