@@ -17,11 +17,11 @@
 #   MSA_TEST_FILTER    GoogleTest filter (default Gpu*)
 #   MSA_BENCH_TOKENS   comma-separated token counts (default 4096,...,131072; "none" skips)
 #   MSA_BENCH_REPS     timed repetitions per op (default 10)
-#   MSA_SYNC_TESTS     0 skips the backward / KL / indexer tests on the mma.sync fallback
 #   MSA_SANITIZE       0 skips the memcheck step
 #   MSA_DECODE_BENCH   0 skips msa bench --decode and msa demo
 #   MSA_INDEPENDENT    0 skips the independent run-case check (tests/independent) on cuda
 #   MSA_PYTEST_PATHS   what pytest runs with MSA_PYTHON=1 (default: all of tests/python)
+#   MSA_TRANSFORMERS   0 skips the transformers check with MSA_PYTHON=1 (bench/transformers_bench.py --check)
 #   MSA_PACK_LOGS      1 packs every log of OUTDIR into OUTDIR/logs.tar.gz at the end
 # Dependencies: CUDA toolkit, CMake >= 3.25, Ninja, GoogleTest (installed, or its sources in
 # .deps/googletest or /usr/src/googletest, built here), and the header-only nlohmann_json
@@ -89,15 +89,6 @@ gtest_counts() {
 }
 note "GPU tests: rc $TEST_RC, $(gtest_counts "$OUT/gpu_tests.log")"
 grep -E "^\[  FAILED  \]|Failure|error:" "$OUT/gpu_tests.log" | head -20 | tee -a "$SUMMARY"
-# The mma.sync fallback of the backward, KL and indexer kernels (MSA_CUDA_MMA=sync).
-if [ "${MSA_SYNC_TESTS:-1}" != "0" ]; then
-  MSA_CUDA_MMA=sync timeout 200 "$TESTS" --gtest_filter='GpuBackward.*:GpuKl.*:GpuIndexer.*' > "$OUT/gpu_tests_sync.log" 2>&1
-  SYNC_RC=$?
-  note "GPU tests on mma.sync: rc $SYNC_RC, $(gtest_counts "$OUT/gpu_tests_sync.log")"
-  grep -E "^\[  FAILED  \]|Failure" "$OUT/gpu_tests_sync.log" | head -10 | tee -a "$SUMMARY"
-  [ "$SYNC_RC" -ne 0 ] && TEST_RC=$SYNC_RC
-fi
-
 # Memory checker on small cases.
 if [ "${MSA_SANITIZE:-1}" != "0" ] && command -v compute-sanitizer > /dev/null; then
   timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 "$TESTS" \
@@ -140,6 +131,13 @@ if [ "${MSA_PYTHON:-0}" = "1" ]; then
   PYTHONPATH=$SITE PYTHONUNBUFFERED=1 timeout 200 python3 "$ROOT/bench/peers.py" \
     --seqlens $(echo "${MSA_PEERS_TOKENS:-4096,16384}" | tr , ' ') --repeats 5 --json "$OUT/peers.json" > "$OUT/peers.log" 2>&1
   note "peers benchmark: rc $?"
+  # transformers integration: a random MiniMax-M3 model with sparse layers through "msa",
+  # logits against "sdpa" where it fits, a training step and generation at 64k tokens.
+  if [ "${MSA_TRANSFORMERS:-1}" != "0" ]; then
+    PYTHONPATH=$SITE PYTHONUNBUFFERED=1 timeout 500 python3 "$ROOT/bench/transformers_bench.py" --check \
+      > "$OUT/transformers_check.log" 2>&1
+    note "transformers check: rc $? ($(tail -1 "$OUT/transformers_check.log"))"
+  fi
 fi
 note "done"
 echo

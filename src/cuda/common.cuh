@@ -50,10 +50,6 @@ inline cudaStream_t as_stream(const RunOptions& opt) { return static_cast<cudaSt
 // Multiprocessors of the current device (cached per device).
 int sm_count();
 
-// Whether the kernels compute their K-major products (S = Q K^T, dP = dO V^T, index scores)
-// with wgmma; MSA_CUDA_MMA=sync in the environment selects the mma.sync path instead.
-bool use_wgmma();
-
 // One document as the kernels see it.
 struct DocInfo {
   int32_t q_start, q_len, k_start, k_len;

@@ -41,14 +41,6 @@ int sm_count() {
   return counts[size_t(device)];
 }
 
-bool use_wgmma() {
-  static const bool on = [] {
-    const char* v = std::getenv("MSA_CUDA_MMA");
-    return !(v && std::string(v) == "sync");
-  }();
-  return on;
-}
-
 std::vector<DocInfo> doc_table(const PackedLayout& layout) {
   std::vector<DocInfo> docs(size_t(layout.num_documents()));
   for (int b = 0; b < layout.num_documents(); ++b) {

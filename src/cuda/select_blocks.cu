@@ -47,7 +47,6 @@ struct IndexerArgs {
   int init_blocks, local_blocks;
   float scale;           // index score = scale * <qi, ki>
   float lse_scale_log2;  // scale / temperature * log2(e)
-  int use_wgmma;
 };
 
 __device__ __forceinline__ float nan_max(float m, float x) { return (x > m || x != x) ? x : m; }
@@ -74,11 +73,9 @@ __global__ void __launch_bounds__(kThreads, 1) select_blocks_kernel(const Indexe
   const int g = warp % a.Hi;
   const int wq0 = 16 * (warp / a.Hi);
   const int wrows = max(0, min(16, nq - wq0));
-  const int warp_nblk = wrows > 0 ? (pos0 + wq0 + wrows - 1) / 128 + 1 : 0;
   // Blocks the warpgroup computes (wgmma is collective): up to its last query's local block.
   const int wg_first = 16 * ((warp & ~3) / a.Hi), wg_last = min(nq, 16 * ((warp | 3) / a.Hi) + 16) - 1;
   const int wg_nblk = wg_first < nq ? (pos0 + wg_last) / 128 + 1 : 0;
-  const int compute_nblk = a.use_wgmma ? wg_nblk : warp_nblk;
 
   const uint32_t kst = align1024(smem_addr(smem));
   const uint32_t qs = kst + 2 * kTileBytes;
@@ -111,36 +108,16 @@ __global__ void __launch_bounds__(kThreads, 1) select_blocks_kernel(const Indexe
   LogSumExp lse_acc;  // of the selected blocks' LSEs (the IEEE rules of src/attention_state.h)
 
   const int pa = pos0 + wq0 + (lane >> 2), pb = pa + 8;
-  uint32_t af[8][4];
   for (int j = 0; j < nblocks; ++j) {
     if (j + 1 < nblocks) load_keys(j + 1, (j + 1) & 1);
     cp_async_commit();
     cp_async_wait<1>();
     fence_proxy_async();
     __syncthreads();
-    if (j == 0 && wrows > 0 && !a.use_wgmma) {
-#pragma unroll
-      for (int kt = 0; kt < 8; ++kt) load_a(af[kt], qs, 128, 16 * warp, kt * 16, lane);
-    }
-    if (j < compute_nblk) {
+    if (j < wg_nblk) {
       const uint32_t ks = kst + (j & 1) * kTileBytes;
       float s[16][4];
-      if (a.use_wgmma) {
-        wgmma_rows_x128(s, qs, 128, 64 * (warp >> 2), ks, 128, 0);
-      } else {
-#pragma unroll
-        for (int i = 0; i < 16; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
-#pragma unroll
-        for (int kt = 0; kt < 8; ++kt) {
-#pragma unroll
-          for (int np = 0; np < 8; ++np) {
-            uint32_t bf[4];
-            load_b_nk(bf, ks, 128, np * 16, kt * 16, lane);
-            mma_bf16(s[2 * np], af[kt], bf[0], bf[1]);
-            mma_bf16(s[2 * np + 1], af[kt], bf[2], bf[3]);
-          }
-        }
-      }
+      wgmma_rows_x128(s, qs, 128, 64 * (warp >> 2), ks, 128, 0);
       const int la = pa - j * 128, lb = pb - j * 128;  // last visible key of rows a, b
       float ma = -INFINITY, mb = -INFINITY;
 #pragma unroll
@@ -264,7 +241,6 @@ void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBloc
   a.local_blocks = topo.local_blocks;
   a.scale = topo.indexer_scale();
   a.lse_scale_log2 = topo.indexer_scale() / p.lse_temperature * 1.4426950408889634f;
-  a.use_wgmma = use_wgmma() ? 1 : 0;
 
   // Longest documents first, so the heaviest tiles start early.
   std::vector<int> order(size_t(L.num_documents()));

@@ -104,37 +104,4 @@ __device__ __forceinline__ void wgmma_rows_x64(float (&d)[8][4], uint32_t a, int
   wgmma_wait<0>();
 }
 
-// d (the warp's 16 rows r16.. x N columns) = A B over k = 0..127 on mma.sync: A = rows of
-// tile `a`; B = columns n0..n0+N-1 of the product, read from tile `b` stored as [n, k] rows
-// (kBRowsAreN, e.g. K in S = Q K^T) or as [k, n] rows (e.g. K in dQ = dS K).
-template <int N, bool kBRowsAreN>
-__device__ __forceinline__ void mma_sync_rows_x16(float (&d)[N / 8][4], uint32_t a, uint32_t b, int r16, int n0,
-                                                  int lane) {
-#pragma unroll
-  for (int i = 0; i < N / 8; ++i) d[i][0] = d[i][1] = d[i][2] = d[i][3] = 0.f;
-#pragma unroll
-  for (int kt = 0; kt < 8; ++kt) {
-    uint32_t af[4];
-    load_a(af, a, 128, r16, kt * 16, lane);
-#pragma unroll
-    for (int np = 0; np < N / 16; ++np) {
-      uint32_t bf[4];
-      if constexpr (kBRowsAreN) load_b_nk(bf, b, 128, n0 + np * 16, kt * 16, lane);
-      else load_b_kn(bf, b, 128, kt * 16, n0 + np * 16, lane);
-      mma_bf16(d[2 * np], af, bf[0], bf[1]);
-      mma_bf16(d[2 * np + 1], af, bf[2], bf[3]);
-    }
-  }
-}
-
-// S (the warp's 16 rows x 128) = rows of tile `a` times the 128 rows of tile `b`, transposed
-// (both 128-row tiles): on wgmma when `use_wgmma` (every warp of the warpgroup takes part;
-// the warpgroup's rows start at wg_row), else on mma.sync for this warp's rows r16.. only,
-// and only when `active` (s is left unset otherwise).
-__device__ __forceinline__ void product_rows_x128(float (&s)[16][4], uint32_t a, uint32_t b, int wg_row, int r16,
-                                                  int lane, bool use_wgmma, bool active) {
-  if (use_wgmma) wgmma_rows_x128(s, a, 128, wg_row, b, 128, 0);
-  else if (active) mma_sync_rows_x16<128, true>(s, a, b, r16, 0, lane);
-}
-
 }  // namespace msa::cuda
