@@ -10,7 +10,7 @@
 
 namespace msa::cuda {
 
-// forward_tasks_kernel (forward.cu): two consumer warpgroups and a producer warpgroup.
+// forward_tasks_kernel (attention_forward.cu): two consumer warpgroups and a producer warpgroup.
 enum class ForwardBarrier : int {
   kWarpgroup0 = 1,  // consumer warpgroup 0 (128 threads): its Q rows of a stage are read
   kWarpgroup1 = 2,  // consumer warpgroup 1 (kWarpgroup0 + wg)
