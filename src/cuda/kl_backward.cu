@@ -7,6 +7,8 @@
 //   d index_q (per edge) = index_scale ds . ki,   d index_k += index_scale ds^T . qi
 // The 8-query products run on mma.sync (m16 tiles, rows 8..15 zero). d index_q reads a copy
 // of the index keys without non-finite values when a masked block holds one (finite_copy).
+// No lane-dependent branch may hold a shuffle, ldmatrix or mma.sync (teacher_row): the
+// compiler's divergent form of one kept warps split through the rest of a sub-chunk.
 // Default mode: fp32 atomics. Deterministic mode: per-edge slots for d index_q and per-chunk
 // slots for d index_k, reduced in a fixed order by reduce_gradients.
 #include "backend.h"
