@@ -360,6 +360,7 @@ __global__ void __launch_bounds__(NW * 32, 1) paged_attention_kernel(const AttnA
   const bool per_token = a.k_token_scale != nullptr;
   const uint32_t q_tile = q_tiles + my_tile_row * kQTileBytes;
   const int quad = lane & 3, gr = lane >> 2;
+  constexpr bool kEarlyV = NW <= 8;
 
   float o[16][4];
 #pragma unroll
@@ -400,6 +401,13 @@ __global__ void __launch_bounds__(NW * 32, 1) paged_attention_kernel(const AttnA
           mma_bf16(s[0], qa, kb[0], kb[1]);
           mma_bf16(s[1], qa, kb[2], kb[3]);
         }
+        // The chunk's V fragments, loaded before the softmax so that their latency hides
+        // behind it (two warps per scheduler have little else to switch to). With 16 warps
+        // (128 registers a thread) they would spill: loaded right before their MMAs.
+        uint32_t vb[kEarlyV ? 8 : 1][4];
+        if constexpr (kEarlyV)
+#pragma unroll
+          for (int dn = 0; dn < 8; ++dn) load_b_kn(vb[dn], v_tile, kPageSize, c0, dn * 16, lane);
         float cmax0 = -INFINITY, cmax1 = -INFINITY;
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
@@ -415,60 +423,85 @@ __global__ void __launch_bounds__(NW * 32, 1) paged_attention_kernel(const AttnA
           }
         cmax0 = warp_max4(cmax0);
         cmax1 = warp_max4(cmax1);
+        // The online softmax of heads gr / gr + 8 in log2 units (the SoftmaxState rules, written
+        // out: the hot loop keeps m and l in registers). fast_exp2 is one SFU instruction;
+        // exp2f's denormal rescaling would add a predicated chain to each of the ten exps.
         const float new0 = fmaxf(m0, cmax0), new1 = fmaxf(m1, cmax1);
         const float use0 = new0 == -INFINITY ? 0.0f : new0, use1 = new1 == -INFINITY ? 0.0f : new1;
-        const float alpha0 = exp2f(m0 - use0), alpha1 = exp2f(m1 - use1);
+        const float alpha0 = fast_exp2(m0 - use0), alpha1 = fast_exp2(m1 - use1);
         m0 = new0;
         m1 = new1;
         l0 *= alpha0;
         l1 *= alpha1;
+        // Once the maxima settle, most chunks leave every head's max as it was (alpha = 1,
+        // exactly): the warp then skips the 64 multiplications of its output fragments.
+        if (__any_sync(0xffffffffu, alpha0 != 1.0f || alpha1 != 1.0f))
 #pragma unroll
-        for (int n = 0; n < 16; ++n) {
-          o[n][0] *= alpha0;
-          o[n][1] *= alpha0;
-          o[n][2] *= alpha1;
-          o[n][3] *= alpha1;
-        }
+          for (int n = 0; n < 16; ++n) {
+            o[n][0] *= alpha0;
+            o[n][1] *= alpha0;
+            o[n][2] *= alpha1;
+            o[n][3] *= alpha1;
+          }
         float pv[2][4];
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const float pr = exp2f(s[nt][e] - (e < 2 ? use0 : use1));
+            const float pr = fast_exp2(s[nt][e] - (e < 2 ? use0 : use1));
             if (e < 2) l0 += pr;
             else l1 += pr;
             const int t = c0 + nt * 8 + 2 * quad + (e & 1);
             pv[nt][e] = per_token ? pr * ctl.v_token_scale[t] : pr;
           }
         uint32_t pa[4] = {bf16x2_bits(pv[0][0], pv[0][1]), bf16x2_bits(pv[0][2], pv[0][3]),
-                                bf16x2_bits(pv[1][0], pv[1][1]), bf16x2_bits(pv[1][2], pv[1][3])};
-        if (c0 + 16 <= n_row) {
-#pragma unroll
-          for (int dn = 0; dn < 8; ++dn) {
-            uint32_t vb[4];
-            load_b_kn(vb, v_tile, kPageSize, c0, dn * 16, lane);
-            mma_bf16(o[2 * dn], pa, vb[0], vb[1]);
-            mma_bf16(o[2 * dn + 1], pa, vb[2], vb[3]);
-          }
-        } else {
-          // The chunk crosses the row's causal limit. Keys t >= n_row have p = 0, but their V
-          // rows and per-token V scales (another row's keys, or garbage of the cache) may hold
-          // NaN / inf, and 0 * NaN is NaN: their halves of the P and V fragments are zeroed
-          // instead (selection, not multiplication). a0 / a1 and b0 / b2 hold keys
-          // c0 + 2 quad + {0, 1} (low / high 16 bits), a2 / a3 and b1 / b3 the keys 8 further.
+                          bf16x2_bits(pv[1][0], pv[1][1]), bf16x2_bits(pv[1][2], pv[1][3])};
+        // The chunk crosses the row's causal limit (warp-uniform; at most one chunk of a page).
+        // Keys t >= n_row have p = 0, but their V rows and per-token V scales (another row's
+        // keys, or garbage of the cache) may hold NaN / inf, and 0 * NaN is NaN: their halves of
+        // the P and V fragments are zeroed instead (selection, not multiplication). a0 / a1 and
+        // b0 / b2 hold keys c0 + 2 quad + {0, 1} (low / high 16 bits), a2 / a3 and b1 / b3 the
+        // keys 8 further.
+        const bool partial = c0 + 16 > n_row;
+        uint32_t keep_lo = ~0u, keep_hi = ~0u;
+        if (partial) {
           const int t0 = c0 + 2 * quad;
-          const uint32_t keep_lo = (t0 < n_row ? 0x0000ffffu : 0u) | (t0 + 1 < n_row ? 0xffff0000u : 0u);
-          const uint32_t keep_hi = (t0 + 8 < n_row ? 0x0000ffffu : 0u) | (t0 + 9 < n_row ? 0xffff0000u : 0u);
+          keep_lo = (t0 < n_row ? 0x0000ffffu : 0u) | (t0 + 1 < n_row ? 0xffff0000u : 0u);
+          keep_hi = (t0 + 8 < n_row ? 0x0000ffffu : 0u) | (t0 + 9 < n_row ? 0xffff0000u : 0u);
           pa[0] &= keep_lo;
           pa[1] &= keep_lo;
           pa[2] &= keep_hi;
           pa[3] &= keep_hi;
+        }
+        if constexpr (kEarlyV) {
+          if (partial)
+#pragma unroll
+            for (int dn = 0; dn < 8; ++dn) {
+              vb[dn][0] &= keep_lo;
+              vb[dn][1] &= keep_hi;
+              vb[dn][2] &= keep_lo;
+              vb[dn][3] &= keep_hi;
+            }
 #pragma unroll
           for (int dn = 0; dn < 8; ++dn) {
-            uint32_t vb[4];
-            load_b_kn(vb, v_tile, kPageSize, c0, dn * 16, lane);
-            mma_bf16(o[2 * dn], pa, vb[0] & keep_lo, vb[1] & keep_hi);
-            mma_bf16(o[2 * dn + 1], pa, vb[2] & keep_lo, vb[3] & keep_hi);
+            mma_bf16(o[2 * dn], pa, vb[dn][0], vb[dn][1]);
+            mma_bf16(o[2 * dn + 1], pa, vb[dn][2], vb[dn][3]);
+          }
+        } else if (!partial) {  // each fragment dies after its two MMAs
+#pragma unroll
+          for (int dn = 0; dn < 8; ++dn) {
+            uint32_t v[4];
+            load_b_kn(v, v_tile, kPageSize, c0, dn * 16, lane);
+            mma_bf16(o[2 * dn], pa, v[0], v[1]);
+            mma_bf16(o[2 * dn + 1], pa, v[2], v[3]);
+          }
+        } else {
+#pragma unroll
+          for (int dn = 0; dn < 8; ++dn) {
+            uint32_t v[4];
+            load_b_kn(v, v_tile, kPageSize, c0, dn * 16, lane);
+            mma_bf16(o[2 * dn], pa, v[0] & keep_lo, v[1] & keep_hi);
+            mma_bf16(o[2 * dn + 1], pa, v[2] & keep_lo, v[3] & keep_hi);
           }
         }
       }
