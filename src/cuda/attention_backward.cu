@@ -327,21 +327,9 @@ void sparse_attention_backward(const Topology& topo, const PackedLayout& L, cons
     MSA_CUDA_CHECK(cudaMemsetAsync(a.dk_acc, 0, size_t(Tk * Hkv * kHeadDim * 4), s));
     MSA_CUDA_CHECK(cudaMemsetAsync(a.dv_acc, 0, size_t(Tk * Hkv * kHeadDim * 4), s));
   }
-  if (st.chunk_capacity > 0) {
-    MSA_CUDA_CHECK(
-        cudaFuncSetAttribute(backward_chunks_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-    const int grid = int(std::min<int64_t>(st.chunk_capacity, sm_count()));
-    backward_chunks_kernel<<<grid, kThreads, kSmemBytes, s>>>(a);
-    MSA_CUDA_CHECK_LAUNCH("backward_chunks_kernel");
-  }
+  launch_chunk_walker(backward_chunks_kernel, a, kSmemBytes, st, s, "backward_chunks_kernel launch");
 
-  GradientReduction r;
-  r.plan = &plan;
-  r.state = &st;
-  r.total_q = Tq;
-  r.total_k = Tk;
-  r.num_kv_heads = Hkv;
-  r.deterministic = opt.deterministic;
+  GradientReduction r = GradientReduction::of_plan(plan, st, L, Hkv, opt.deterministic, ws<float>(st, w.kv_rows));
   r.query_out = p.dq;
   r.query_acc = a.dq_acc;
   r.query_parts = a.dq_part;
@@ -353,7 +341,6 @@ void sparse_attention_backward(const Topology& topo, const PackedLayout& L, cons
   r.key_acc[0] = a.dk_acc;
   r.key_acc[1] = a.dv_acc;
   r.key_chunks = a.kv_chunks;
-  r.key_rows = ws<float>(st, w.kv_rows);
   reduce_gradients(r, s);
 }
 

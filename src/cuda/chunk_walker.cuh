@@ -20,6 +20,7 @@
 
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "cuda/common.cuh"
@@ -201,6 +202,19 @@ __device__ __forceinline__ bool finite_copy(uint32_t src, uint32_t dst) {
   }
   fence_proxy_async();
   return true;
+}
+
+// Launches a kernel that walks the plan's chunk list: one persistent CTA per SM, no more CTAs
+// than chunks, `smem_bytes` of dynamic shared memory.
+template <class Args>
+void launch_chunk_walker(void (*kernel)(Args), const Args& args, int smem_bytes, const PlanState& st,
+                         cudaStream_t stream, const char* name) {
+  if (st.chunk_capacity == 0) return;
+  MSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  const int grid = int(std::min<int64_t>(st.chunk_capacity, sm_count()));
+  kernel<<<grid, kWalkerThreads, smem_bytes, stream>>>(args);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) throw_cuda_error(name, err, __FILE__, __LINE__);
 }
 
 // The kernel's shared storage at the first 1024-byte boundary of dynamic shared memory.

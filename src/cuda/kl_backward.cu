@@ -298,20 +298,9 @@ void kl_backward(const Topology& topo, const PackedLayout& L, const SparsePlan& 
     MSA_CUDA_CHECK(cudaMemsetAsync(a.dqi_acc, 0, size_t(Tq * Hi * kHeadDim * 4), s));
     MSA_CUDA_CHECK(cudaMemsetAsync(a.dki_acc, 0, size_t(Tk * kHeadDim * 4), s));
   }
-  if (st.chunk_capacity > 0) {
-    MSA_CUDA_CHECK(cudaFuncSetAttribute(kl_chunks_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-    const int grid = int(std::min<int64_t>(st.chunk_capacity, sm_count()));
-    kl_chunks_kernel<<<grid, kThreads, kSmemBytes, s>>>(a);
-    MSA_CUDA_CHECK_LAUNCH("kl_chunks_kernel");
-  }
+  launch_chunk_walker(kl_chunks_kernel, a, kSmemBytes, st, s, "kl_chunks_kernel launch");
 
-  GradientReduction r;
-  r.plan = &plan;
-  r.state = &st;
-  r.total_q = Tq;
-  r.total_k = Tk;
-  r.num_kv_heads = Hkv;
-  r.deterministic = opt.deterministic;
+  GradientReduction r = GradientReduction::of_plan(plan, st, L, Hkv, opt.deterministic, ws<float>(st, w.kv_rows));
   r.query_out = p.dindex_q;
   r.query_acc = a.dqi_acc;
   r.query_parts = a.dqi_part;
@@ -321,7 +310,6 @@ void kl_backward(const Topology& topo, const PackedLayout& L, const SparsePlan& 
   r.key_out[0] = p.dindex_k;
   r.key_acc[0] = a.dki_acc;
   r.key_chunks = a.ki_chunks;
-  r.key_rows = ws<float>(st, w.kv_rows);
   r.sum_kv_heads = true;  // one index key per token, read by every index head
   reduce_gradients(r, s);
 }

@@ -140,6 +140,20 @@ struct GradientReduction {
   const float* key_chunks = nullptr;             // deterministic: [chunks, key_parts, 128, 128]
   float* key_rows = nullptr;                     // deterministic scratch: [Hkv, total_rows, key_parts, 128, 128]
   bool sum_kv_heads = false;                     // one output row per token: the sum over KV heads
+
+  // The plan-wide fields; the caller adds its query and key sides.
+  static GradientReduction of_plan(const SparsePlan& plan, const PlanState& st, const PackedLayout& L,
+                                   int num_kv_heads, bool deterministic, float* key_rows) {
+    GradientReduction r;
+    r.plan = &plan;
+    r.state = &st;
+    r.total_q = L.total_q();
+    r.total_k = L.total_k();
+    r.num_kv_heads = num_kv_heads;
+    r.deterministic = deterministic;
+    r.key_rows = key_rows;
+    return r;
+  }
 };
 
 template <typename Part>
