@@ -42,7 +42,7 @@ Plan build_plan_py(const Topology& topo, const PackedLayout& layout, const InArr
 }
 
 void forward_py(const Topology& topo, const PackedLayout& layout, const Plan& plan, const InArray& q, const InArray& k,
-                const InArray& v, const InArray& topk, const OutArray& out, const OutArray& lse, bool deterministic,
+                const InArray& v, const std::optional<InArray>& topk, const OutArray& out, const OutArray& lse, bool deterministic,
                 int num_threads, uintptr_t stream) {
   AttentionForwardParams p;
   p.q = to_view(q, "q");
@@ -57,7 +57,7 @@ void forward_py(const Topology& topo, const PackedLayout& layout, const Plan& pl
 }
 
 void backward_py(const Topology& topo, const PackedLayout& layout, const Plan& plan, const InArray& q, const InArray& k,
-                 const InArray& v, const InArray& topk, const InArray& out, const InArray& lse, const InArray& dout,
+                 const InArray& v, const std::optional<InArray>& topk, const InArray& out, const InArray& lse, const InArray& dout,
                  const OutArray& dq, const OutArray& dk, const OutArray& dv, bool deterministic, int num_threads,
                  uintptr_t stream) {
   AttentionBackwardParams p;
@@ -78,7 +78,7 @@ void backward_py(const Topology& topo, const PackedLayout& layout, const Plan& p
 
 void kl_backward_py(const Topology& topo, const PackedLayout& layout, const Plan& plan, const InArray& q,
                     const InArray& k, const InArray& lse, const InArray& index_q, const InArray& index_k,
-                    const InArray& index_lse, const InArray& topk, const OutArray& dindex_q, const OutArray& dindex_k,
+                    const InArray& index_lse, const std::optional<InArray>& topk, const OutArray& dindex_q, const OutArray& dindex_k,
                     float grad_scale, bool deterministic, int num_threads, uintptr_t stream) {
   KlBackwardParams p;
   p.q = to_view(q, "q");
@@ -141,13 +141,14 @@ void bind_ops(nb::module_& m) {
       nb::arg("topology"), nb::arg("layout"), nb::arg("device") = "cuda",
       "Bytes of scratch a plan for this layout uses on `device` ('cpu': 0; 'cuda' / 'cuda:N').");
   m.def("sparse_attention_forward", &forward_py, nb::arg("topology"), nb::arg("layout"), nb::arg("plan"),
-        nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("topk"), nb::arg("out"), nb::arg("lse"), MSA_RUN_ARGS,
-        "Writes out [total_q, Hq, 128] (bf16 or f32) and lse [total_q, Hq] f32 (natural log).");
+        nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("topk").none(), nb::arg("out"), nb::arg("lse"), MSA_RUN_ARGS,
+        "Writes out [total_q, Hq, 128] (bf16 or f32) and lse [total_q, Hq] f32 (natural log). topk None: the "
+        "plan's own selection; another topk is compared with it (on CUDA: one stream synchronisation).");
   m.def("sparse_attention_backward", &backward_py, nb::arg("topology"), nb::arg("layout"), nb::arg("plan"),
-        nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("topk"), nb::arg("out"), nb::arg("lse"), nb::arg("dout"),
+        nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("topk").none(), nb::arg("out"), nb::arg("lse"), nb::arg("dout"),
         nb::arg("dq"), nb::arg("dk"), nb::arg("dv"), MSA_RUN_ARGS, "Writes dq, dk, dv of the sparse attention.");
   m.def("kl_backward", &kl_backward_py, nb::arg("topology"), nb::arg("layout"), nb::arg("plan"), nb::arg("q"),
-        nb::arg("k"), nb::arg("lse"), nb::arg("index_q"), nb::arg("index_k"), nb::arg("index_lse"), nb::arg("topk"),
+        nb::arg("k"), nb::arg("lse"), nb::arg("index_q"), nb::arg("index_k"), nb::arg("index_lse"), nb::arg("topk").none(),
         nb::arg("dindex_q"), nb::arg("dindex_k"), nb::arg("grad_scale") = 0.0f, MSA_RUN_ARGS,
         "Writes the gradient of the indexer's KL(teacher || student) w.r.t. index_q and index_k.");
   m.def("merge_states", &merge_states_py, nb::arg("out_partials"), nb::arg("lse_partials"), nb::arg("out"),

@@ -77,7 +77,8 @@ def sparse_attention_forward(q: Tensor, k: Tensor, v: Tensor, topk: Tensor, cu_s
     run = _run(q, deterministic)
     topk = topk.contiguous()
     plan = _calls.build_plan(topo, layout, topk, run)
-    _calls.sparse_attention_forward(topo, layout, plan, q.contiguous(), k.contiguous(), v.contiguous(), topk, out, lse,
+    # topk None: the plan's own copy of the selection it was just built from (nothing to compare).
+    _calls.sparse_attention_forward(topo, layout, plan, q.contiguous(), k.contiguous(), v.contiguous(), None, out, lse,
                                     run)
     return out, lse
 
@@ -103,7 +104,7 @@ def sparse_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, top
     run = _run(q, deterministic)
     topk = topk.contiguous()
     plan = _calls.build_plan(topo, layout, topk, run)
-    _calls.sparse_attention_backward(topo, layout, plan, q.contiguous(), k.contiguous(), v.contiguous(), topk,
+    _calls.sparse_attention_backward(topo, layout, plan, q.contiguous(), k.contiguous(), v.contiguous(), None,
                                      out.contiguous(), lse.contiguous(), dout.contiguous(), dq, dk, dv, run)
     return dq, dk, dv
 
@@ -154,7 +155,7 @@ def kl_backward(q: Tensor, k: Tensor, lse: Tensor, index_q: Tensor, index_k: Ten
     topk = topk.contiguous()
     plan = _calls.build_plan(topo, layout, topk, run)
     _calls.kl_backward(topo, layout, plan, q.contiguous(), k.contiguous(), lse.contiguous(), index_q.contiguous(),
-                       index_k.contiguous(), index_lse.contiguous(), topk, diq, dik, grad_scale, run)
+                       index_k.contiguous(), index_lse.contiguous(), None, diq, dik, grad_scale, run)
     return diq, dik
 
 
