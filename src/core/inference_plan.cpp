@@ -9,6 +9,7 @@
 
 #include "backend_inference.h"
 #include "core/check.h"
+#include "core/dispatch.h"
 #include "msa/inference.h"
 
 namespace msa {
@@ -107,12 +108,7 @@ InferencePlan finish(const Topology& topo, InferencePhase phase, const StepReque
       plan.max_physical_page = std::max<int64_t>(plan.max_physical_page, s.page_table[size_t(b * s.max_pages + j)]);
   }
 
-  if (options.device.is_cuda()) {
-#if !MSA_WITH_CUDA
-    detail::unsupported("inference plan: options.device is a CUDA device but msa was built without the CUDA backend "
-                        "(configure with -DMSA_ENABLE_CUDA=ON on a machine with nvcc)");
-#endif
-  }
+  if (options.device.is_cuda() && !detail::kWithCuda) detail::no_cuda_backend("inference plan (options.device)");
   const Device dev = options.device;
   plan.cu_seqlens_q = device_copy(dev, s.cu_q, {s.batch + 1});
   plan.seq_lens = device_copy(dev, s.seq_lens, {s.batch});

@@ -6,9 +6,8 @@
 #include <unordered_set>
 
 #include "core/check.h"
-#if MSA_WITH_CUDA
-#include "cuda/layout.h"
-#endif
+#include "core/dispatch.h"
+#include "cuda/layout.h"  // declared in every build; reached only through detail::dispatch
 
 namespace msa {
 
@@ -133,15 +132,12 @@ PackedLayout PackedLayout::from_document_map(const TensorView& map, void* stream
   const int64_t B = map.shape[0], S = map.shape[1];
   std::vector<Run> runs;
   if (map.device.is_cuda()) {
-#if MSA_WITH_CUDA
-    require(B * S < (int64_t(1) << 31),
-            concat("document_map on a CUDA device must have batch * seq < 2^31 positions, got ", map.shape_string()));
-    if (B * S > 0)
-      for (const cuda::MapRun& r : cuda::document_map_runs(map, stream)) runs.push_back({r.index, r.id});
-#else
-    (void)stream;
-    detail::unsupported("document_map is a CUDA tensor but msa was built without the CUDA backend");
-#endif
+    detail::dispatch("document_map", map.device, [] {}, [&] {
+      require(B * S < (int64_t(1) << 31),
+              concat("document_map on a CUDA device must have batch * seq < 2^31 positions, got ", map.shape_string()));
+      if (B * S > 0)
+        for (const cuda::MapRun& r : cuda::document_map_runs(map, stream)) runs.push_back({r.index, r.id});
+    });
   } else {
     runs = host_runs(map);
   }
@@ -215,10 +211,6 @@ int64_t check_pack_pair(const PackedLayout& L, const TensorView& padded, const T
   detail::check_contiguous(packed, "packed");
   require(padded.device == packed.device, concat("packed must be on the device of padded (", to_string(padded.device),
                                                  "), got ", to_string(packed.device)));
-#if !MSA_WITH_CUDA
-  if (padded.device.is_cuda())
-    detail::unsupported("pack/unpack: the tensors are on a CUDA device but msa was built without the CUDA backend");
-#endif
   return row;
 }
 
@@ -226,32 +218,28 @@ int64_t check_pack_pair(const PackedLayout& L, const TensorView& padded, const T
 
 void pack(const PackedLayout& L, const TensorView& padded, const TensorView& packed, void* stream) {
   const int64_t row = check_pack_pair(L, padded, packed);
-#if MSA_WITH_CUDA
-  if (padded.device.is_cuda()) return cuda::pack_rows(L, padded, packed, row, stream);
-#endif
-  (void)stream;
-  const auto& rows = L.packed_row_of_padded();
-  auto* dst = static_cast<char*>(packed.data);
-  const auto* src = static_cast<const char*>(padded.data);
-  for (size_t i = 0; i < rows.size(); ++i)
-    if (rows[i] >= 0) std::memcpy(dst + rows[i] * row, src + int64_t(i) * row, size_t(row));
+  detail::dispatch("pack", padded.device, [&] {
+    const auto& rows = L.packed_row_of_padded();
+    auto* dst = static_cast<char*>(packed.data);
+    const auto* src = static_cast<const char*>(padded.data);
+    for (size_t i = 0; i < rows.size(); ++i)
+      if (rows[i] >= 0) std::memcpy(dst + rows[i] * row, src + int64_t(i) * row, size_t(row));
+  }, [&] { cuda::pack_rows(L, padded, packed, row, stream); });
 }
 
 void unpack(const PackedLayout& L, const TensorView& packed, const TensorView& padded, void* stream) {
   const int64_t row = check_pack_pair(L, padded, packed);
-#if MSA_WITH_CUDA
-  if (padded.device.is_cuda()) return cuda::unpack_rows(L, packed, padded, row, stream);
-#endif
-  (void)stream;
-  const auto& rows = L.packed_row_of_padded();
-  auto* dst = static_cast<char*>(padded.data);
-  const auto* src = static_cast<const char*>(packed.data);
-  for (size_t i = 0; i < rows.size(); ++i) {
-    if (rows[i] >= 0)
-      std::memcpy(dst + int64_t(i) * row, src + rows[i] * row, size_t(row));
-    else
-      std::memset(dst + int64_t(i) * row, 0, size_t(row));
-  }
+  detail::dispatch("unpack", padded.device, [&] {
+    const auto& rows = L.packed_row_of_padded();
+    auto* dst = static_cast<char*>(padded.data);
+    const auto* src = static_cast<const char*>(packed.data);
+    for (size_t i = 0; i < rows.size(); ++i) {
+      if (rows[i] >= 0)
+        std::memcpy(dst + int64_t(i) * row, src + rows[i] * row, size_t(row));
+      else
+        std::memset(dst + int64_t(i) * row, 0, size_t(row));
+    }
+  }, [&] { cuda::unpack_rows(L, packed, padded, row, stream); });
 }
 
 }  // namespace msa
