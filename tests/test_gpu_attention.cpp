@@ -73,36 +73,6 @@ TEST(GpuForward, TopologiesOutputTypesAndItemSizes) {
 
 // ---- backward ------------------------------------------------------------------------------
 
-struct GpuGrads {
-  HostTensor dq, dk, dv;
-};
-
-GpuGrads gpu_backward(const AttentionCase& c, const SparsePlan& plan, const DeviceTensor& q, const DeviceTensor& k,
-                      const DeviceTensor& v, const DeviceTensor& topk, const DeviceTensor& out, const DeviceTensor& lse,
-                      const DeviceTensor& dout, bool deterministic, DType grad_dtype = DType::bf16) {
-  const int64_t Tq = c.layout.total_q(), Tk = c.layout.total_k();
-  DeviceTensor dq(grad_dtype, {Tq, c.topo.num_q_heads, 128}), dk(grad_dtype, {Tk, c.topo.num_kv_heads, 128}),
-      dv(grad_dtype, {Tk, c.topo.num_kv_heads, 128});
-  dq.poison();
-  dk.poison();
-  dv.poison();
-  AttentionBackwardParams p;
-  p.q = q.view();
-  p.k = k.view();
-  p.v = v.view();
-  p.topk = topk.view();
-  p.out = out.view();
-  p.lse = lse.view();
-  p.dout = dout.view();
-  p.dq = dq.view();
-  p.dk = dk.view();
-  p.dv = dv.view();
-  RunOptions opt;
-  opt.deterministic = deterministic;
-  sparse_attention_backward(c.topo, c.layout, plan, p, opt);
-  return {dq.host(), dk.host(), dv.host()};
-}
-
 void expect_grad(const char* what, const HostTensor& got, const HostTensor& want) {
   expect_gradient(what, got.floats(), doubles(want.floats()));
 }

@@ -108,6 +108,37 @@ inline ForwardOutputs gpu_forward(const AttentionCase& c, const SparsePlan& gpla
   return {out.host(), lse.host()};
 }
 
+// Gradients of the GPU backward (outputs poisoned first) with a plan built there from `topk`.
+struct GpuGrads {
+  HostTensor dq, dk, dv;
+};
+
+inline GpuGrads gpu_backward(const AttentionCase& c, const SparsePlan& plan, const DeviceTensor& q, const DeviceTensor& k,
+                      const DeviceTensor& v, const DeviceTensor& topk, const DeviceTensor& out, const DeviceTensor& lse,
+                      const DeviceTensor& dout, bool deterministic, DType grad_dtype = DType::bf16) {
+  const int64_t Tq = c.layout.total_q(), Tk = c.layout.total_k();
+  DeviceTensor dq(grad_dtype, {Tq, c.topo.num_q_heads, c.topo.head_dim}), dk(grad_dtype, {Tk, c.topo.num_kv_heads, c.topo.head_dim}),
+      dv(grad_dtype, {Tk, c.topo.num_kv_heads, c.topo.head_dim});
+  dq.poison();
+  dk.poison();
+  dv.poison();
+  AttentionBackwardParams p;
+  p.q = q.view();
+  p.k = k.view();
+  p.v = v.view();
+  p.topk = topk.view();
+  p.out = out.view();
+  p.lse = lse.view();
+  p.dout = dout.view();
+  p.dq = dq.view();
+  p.dk = dk.view();
+  p.dv = dv.view();
+  RunOptions opt;
+  opt.deterministic = deterministic;
+  sparse_attention_backward(c.topo, c.layout, plan, p, opt);
+  return {dq.host(), dk.host(), dv.host()};
+}
+
 // Device buffers of a select_blocks + forward step that a CUDA graph captures once and
 // replays with new contents (test_gpu_graph.cpp, test_allocator.cpp).
 struct SelectForwardBuffers {

@@ -309,29 +309,12 @@ void check_gpu_backward_isolation(bool k, bool v) {
   const SparsePlan plan = build_plan(c.topo, c.layout, topk.view());
   for (bool det : {false, true}) {
     SCOPED_TRACE(det ? "deterministic" : "atomic");
-    DeviceTensor dq(DType::f32, c.q.shape()), dk(DType::f32, c.k.shape()), dv(DType::f32, c.v.shape());
-    dq.poison();
-    dk.poison();
-    dv.poison();
-    AttentionBackwardParams p;
-    p.q = q.view();
-    p.k = dk_in.view();
-    p.v = dv_in.view();
-    p.topk = topk.view();
-    p.out = out.view();
-    p.lse = lse.view();
-    p.dout = dout.view();
-    p.dq = dq.view();
-    p.dk = dk.view();
-    p.dv = dv.view();
-    RunOptions opt;
-    opt.deterministic = det;
-    sparse_attention_backward(c.topo, c.layout, plan, p, opt);
-    expect_same_nans_and_close("dq", dq.host(), want.dq);
-    expect_same_nans_and_close("dk", dk.host(), want.dk);
-    expect_same_nans_and_close("dv", dv.host(), want.dv);
+    const GpuGrads got = gpu_backward(c, plan, q, dk_in, dv_in, topk, out, lse, dout, det, DType::f32);
+    expect_same_nans_and_close("dq", got.dq, want.dq);
+    expect_same_nans_and_close("dk", got.dk, want.dk);
+    expect_same_nans_and_close("dv", got.dv, want.dv);
     // The key no row attends: exactly zero on the GPU too.
-    const auto dkh = dk.host().floats(), dvh = dv.host().floats();
+    const auto dkh = got.dk.floats(), dvh = got.dv.floats();
     const int64_t o = n.at.back().token * c.topo.num_kv_heads * c.topo.head_dim;
     for (int64_t e = 0; e < c.topo.num_kv_heads * c.topo.head_dim; ++e)
       ASSERT_TRUE(dkh[size_t(o + e)] == 0.f && dvh[size_t(o + e)] == 0.f) << "element " << e;
