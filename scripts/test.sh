@@ -18,4 +18,10 @@ if ! (command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1); then
   echo "note: the Gpu* tests above were skipped: no CUDA device on this machine" \
        "(they run on a GPU machine through scripts/device-check.sh)"
 fi
-if [ -f scripts/test-python.sh ]; then bash scripts/test-python.sh; fi
+if [ -f scripts/test-python.sh ]; then
+  bash scripts/test-python.sh
+  # The README's and docs' Python / sh examples need the package that test-python.sh has just
+  # installed into .venv-ci: run them again now (the ctest run above skips them on a fresh
+  # checkout, where that environment did not exist yet, or ran them against an older install).
+  ctest --test-dir "$build_dir" -R '^docs\.python_sh$' --output-on-failure
+fi

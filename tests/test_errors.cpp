@@ -456,6 +456,13 @@ TEST_F(Errors, MergeStates) {
   expect_error([&] { run(parts.view(), plse.view(), bad_out.view(), ml.view()); }, {"out must have shape [rows=5, H=3, D=128], got [5, 3, 64]"});
   const HostTensor parts16(DType::f16, {2, 5, 3, 128});
   expect_error([&] { run(parts16.view(), plse.view(), mo.view(), ml.view()); }, {"out_partials must be bf16 or f32, got f16"});
+  // A thread count OpenMP cannot give is refused by name instead of failing in the runtime.
+  for (int threads : {-1, 1000000000}) {
+    MergeStatesParams p{parts.view(), plse.view(), mo.view(), ml.view()};
+    RunOptions opt;
+    opt.num_threads = threads;
+    expect_error([&] { merge_states(p, opt); }, {"options.num_threads must be in [0, 4096]", std::to_string(threads)});
+  }
   EXPECT_TRUE(mo.raw() == before_o);
   EXPECT_TRUE(ml.raw() == before_l);
 }

@@ -85,7 +85,7 @@ TEST(InferenceErrors, PrefillPlan) {
     expect_error([&] { plan_paged_prefill(kSmall, {c.view(), on_gpu, t.view()}); }, {"seq_lens must be a CPU tensor"});
   }
   expect_error([&] { PrefillInputs{}.plan({.num_kv_splits = 4}); }, {"num_kv_splits applies to decode only"});
-  expect_error([&] { PrefillInputs{}.plan({.num_threads = -1}); }, {"num_threads must be >= 0"});
+  expect_error([&] { PrefillInputs{}.plan({.num_threads = -1}); }, {"num_threads must be in [0, 4096]"});
   Topology bad = kSmall;
   bad.num_q_heads = 24;
   expect_error([&] { PrefillInputs{}.plan({}, bad); }, {"num_q_heads must be 16 * num_kv_heads"});

@@ -60,6 +60,11 @@ void check_rows_aligned(const TensorView& t, const char* name, int bytes) {
                      "-byte elements"));
 }
 
+void check_run_options(const RunOptions& opt) {
+  require(opt.num_threads >= 0 && opt.num_threads <= kMaxThreads,
+          concat("options.num_threads must be in [0, ", kMaxThreads, "] (0 = OpenMP's default), got ", opt.num_threads));
+}
+
 void check_tensor(const TensorView& t, const char* name, std::initializer_list<DType> allowed,
                   const std::vector<Dim>& dims, Device device) {
   check_present(t, name);

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "msa/error.h"
+#include "msa/ops.h"
 #include "msa/tensor.h"
 
 namespace msa::detail {
@@ -40,6 +41,12 @@ struct Dim {
 void check_shape(const TensorView& t, const char* name, const std::vector<Dim>& dims);
 void check_dtype(const TensorView& t, const char* name, std::initializer_list<DType> allowed);
 void check_contiguous(const TensorView& t, const char* name);
+
+// Most CPU threads a call may ask for: OpenMP reserves a stack per thread, so a huge count
+// fails inside the runtime instead of with a message.
+inline constexpr int kMaxThreads = 4096;
+// RunOptions of every operation: num_threads in [0, kMaxThreads] (0 = OpenMP's default).
+void check_run_options(const RunOptions& opt);
 void check_present(const TensorView& t, const char* name);
 // Innermost dimension contiguous (stride 1) so rows can be read as vectors.
 void check_inner_contiguous(const TensorView& t, const char* name);

@@ -222,6 +222,7 @@ void check_topk_contents(const InferencePlan& plan, const TensorView& topk) {
 // ---------------------------------------------------------------------------------------
 
 void rms_norm_rope(const RmsNormRopeParams& p, const RunOptions& opt) {
+  detail::check_run_options(opt);
   detail::check_present(p.x, "x");
   const Device dev = p.x.device;
   require(p.x.rank == 3, concat("x must have shape [tokens, H, 128], got ", p.x.shape_string()));
@@ -235,6 +236,7 @@ void rms_norm_rope(const RmsNormRopeParams& p, const RunOptions& opt) {
 }
 
 void insert_kv(const KvInsertParams& p, const RunOptions& opt) {
+  detail::check_run_options(opt);
   detail::check_present(p.k, "k");
   const Device dev = p.k.device;
   require(p.k.rank == 3, concat("k must have shape [tokens, Hkv, 128], got ", p.k.shape_string()));
@@ -279,6 +281,7 @@ void insert_kv(const KvInsertParams& p, const RunOptions& opt) {
 }
 
 void nvfp4_to_fp8(const Nvfp4ToFp8Params& p, const RunOptions& opt) {
+  detail::check_run_options(opt);
   detail::check_present(p.packed, "packed");
   const Device dev = p.packed.device;
   check_cache_view(p.packed, "packed", DType::u8, {-1, -1, kPageSize, 64}, "shape [physical_pages, Hkv, 128, 64]", dev);
@@ -307,6 +310,7 @@ void nvfp4_to_fp8(const Nvfp4ToFp8Params& p, const RunOptions& opt) {
 }
 
 void paged_indexer(const InferencePlan& plan, const PagedIndexerParams& p, const RunOptions& opt) {
+  detail::check_run_options(opt);
   detail::check_present(p.index_q, "index_q");
   const Device dev = p.index_q.device;
   check_plan_device(plan, dev, "paged_indexer");
@@ -315,6 +319,7 @@ void paged_indexer(const InferencePlan& plan, const PagedIndexerParams& p, const
 }
 
 void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, const RunOptions& opt) {
+  detail::check_run_options(opt);
   detail::check_present(p.q, "q");
   const Device dev = p.q.device;
   check_plan_device(plan, dev, "paged_attention");
@@ -328,6 +333,7 @@ void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, c
 
 void paged_forward(const InferencePlan& plan, const PagedIndexerParams& indexer, const PagedAttentionParams& attention,
                    const RunOptions& opt) {
+  detail::check_run_options(opt);
   detail::check_present(indexer.index_q, "index_q");
   const Device dev = indexer.index_q.device;
   check_plan_device(plan, dev, "paged_forward");

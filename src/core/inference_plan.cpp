@@ -136,7 +136,8 @@ InferencePlan finish(const Topology& topo, InferencePhase phase, const StepReque
 }
 
 void check_options(const InferencePlanOptions& o) {
-  require(o.num_threads >= 0, concat("num_threads must be >= 0 (0 = OpenMP's default), got ", o.num_threads));
+  require(o.num_threads >= 0 && o.num_threads <= detail::kMaxThreads,
+          concat("num_threads must be in [0, ", detail::kMaxThreads, "] (0 = OpenMP's default), got ", o.num_threads));
 }
 
 // The requests of one step: seq_lens [batch], batch >= 1 (`who` names the planner).

@@ -133,6 +133,7 @@ void check_plan_workspace(const Topology& topo, const PackedLayout& L, const Ten
 }  // namespace
 
 void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBlocksParams& p, const RunOptions& opt) {
+  detail::check_run_options(opt);
   topo.validate();
   detail::check_present(p.index_q, "index_q");
   const Device dev = p.index_q.device;
@@ -157,6 +158,7 @@ int64_t plan_workspace_bytes(const Topology& topo, const PackedLayout& L, Device
 
 SparsePlan build_plan(const Topology& topo, const PackedLayout& L, const TensorView& topk, const PlanOptions& options,
                       const RunOptions& opt) {
+  detail::check_run_options(opt);
   topo.validate();
   detail::check_present(topk, "topk");
   require(options.q_per_cta >= 1, concat("plan q_per_cta must be >= 1, got ", options.q_per_cta));
@@ -193,6 +195,7 @@ SparsePlan build_plan(const Topology& topo, const PackedLayout& L, const TensorV
 
 void sparse_attention_forward(const Topology& topo, const PackedLayout& L, const SparsePlan& plan,
                               const AttentionForwardParams& p, const RunOptions& opt) {
+  detail::check_run_options(opt);
   topo.validate();
   detail::check_present(p.q, "q");
   const Device dev = p.q.device;
@@ -223,6 +226,7 @@ void sparse_attention_forward(const Topology& topo, const PackedLayout& L, const
 
 void sparse_attention_backward(const Topology& topo, const PackedLayout& L, const SparsePlan& plan,
                                const AttentionBackwardParams& p, const RunOptions& opt) {
+  detail::check_run_options(opt);
   topo.validate();
   detail::check_present(p.q, "q");
   const Device dev = p.q.device;
@@ -248,6 +252,7 @@ void sparse_attention_backward(const Topology& topo, const PackedLayout& L, cons
 
 void kl_backward(const Topology& topo, const PackedLayout& L, const SparsePlan& plan, const KlBackwardParams& p,
                  const RunOptions& opt) {
+  detail::check_run_options(opt);
   topo.validate();
   detail::check_present(p.q, "q");
   const Device dev = p.q.device;
@@ -274,6 +279,7 @@ void kl_backward(const Topology& topo, const PackedLayout& L, const SparsePlan& 
 }
 
 void merge_states(const MergeStatesParams& p, const RunOptions& opt) {
+  detail::check_run_options(opt);
   detail::check_present(p.out_partials, "out_partials");
   const Device dev = p.out_partials.device;
   require(p.out_partials.rank == 4, concat("out_partials must have shape [S, rows, H, D], got ", p.out_partials.shape_string()));
