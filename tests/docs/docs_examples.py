@@ -125,11 +125,14 @@ def main():
     ap.add_argument("--extract-cpp", metavar="DIR")
     ap.add_argument("--run", action="store_true")
     ap.add_argument("--list", action="store_true")
-    ap.add_argument("--python", default=sys.executable)
+    ap.add_argument("--python", action="append",
+                    help="interpreter for the python blocks; repeatable: the first that exists is used "
+                         "(the project's venv is decided when the tests run, not when they are configured)")
     ap.add_argument("--msa-dir", default="", help="folder of the msa tool, put first on PATH for sh blocks")
     ap.add_argument("--timeout", type=int, default=900)
     args = ap.parse_args()
     root = os.path.abspath(args.root)
+    args.python = next((p for p in (args.python or []) if os.sep not in p or os.path.exists(p)), sys.executable)
     if os.sep in args.python:
         args.python = os.path.abspath(args.python)  # the blocks run in a temporary folder
     gpu = have_gpu()
