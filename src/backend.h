@@ -42,7 +42,9 @@ void kl_backward(const Topology&, const PackedLayout&, const SparsePlan&, const 
                  const RunOptions&);
 void merge_states(const MergeStatesParams&, const RunOptions&);
 // Index of the first element where two contiguous int32 tensors of the same shape on this
-// device differ, or -1; waits for `opt.stream` (reads back 8 bytes).
+// device differ, or -1; waits for `opt.stream` (reads back 8 bytes). kSelectionNotReadable
+// while `opt.stream` is being captured into a graph (nothing is compared then).
+inline constexpr int64_t kSelectionNotReadable = -2;
 int64_t first_selection_difference(const TensorView& a, const TensorView& b, const RunOptions&);
 }  // namespace cuda
 

@@ -6,10 +6,6 @@
 #include <cstring>
 #include <vector>
 
-#if MSA_WITH_CUDA
-#include <cuda_runtime.h>
-#endif
-
 #include "backend.h"
 #include "core/buffer_pack.h"
 #include "core/check.h"
@@ -72,19 +68,12 @@ TensorView bound_selection(const SparsePlan& plan, const TensorView& topk, const
   int64_t i = -1;
   int32_t given_at = 0, built_at = 0;
   if (own.device.is_cuda()) {
-#if MSA_WITH_CUDA
-    // A capturing stream cannot be read from the host; only the plan's own copy is verified then.
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    if (cudaStreamIsCapturing(static_cast<cudaStream_t>(opt.stream), &capture) != cudaSuccess) {
-      (void)cudaGetLastError();
-      capture = cudaStreamCaptureStatusNone;
-    }
-    if (capture != cudaStreamCaptureStatusNone) return topk;
-#endif
     // Compared on the device (ordered on opt.stream after whatever wrote topk); 8 bytes come
-    // back, and 8 more to name the difference.
+    // back, and 8 more to name the difference. A capturing stream cannot be read from the
+    // host; only the plan's own copy is verified then.
     i = detail::dispatch(op, own.device, [] { return int64_t(-1); },
                          [&] { return cuda::first_selection_difference(topk, own, opt); });
+    if (i == cuda::kSelectionNotReadable) return topk;
     if (i >= 0) {
       const auto at = [&](const TensorView& t) {
         int32_t v = 0;

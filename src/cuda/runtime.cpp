@@ -1,7 +1,6 @@
 // Memory, copies and device queries of the CUDA backend.
 #include <cuda_runtime.h>
 
-#include <cstdlib>
 #include <mutex>
 #include <string>
 #include <sstream>

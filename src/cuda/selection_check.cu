@@ -30,6 +30,12 @@ int64_t first_selection_difference(const TensorView& a, const TensorView& b, con
   const cudaStream_t s = as_stream(opt);
   const int64_t n = a.numel();
   if (n == 0) return -1;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(s, &capture) != cudaSuccess) {
+    (void)cudaGetLastError();  // a stream that cannot say is treated as not capturing
+    capture = cudaStreamCaptureStatusNone;
+  }
+  if (capture != cudaStreamCaptureStatusNone) return kSelectionNotReadable;
   StreamScratch first(sizeof(unsigned long long), s);
   MSA_CUDA_CHECK(cudaMemsetAsync(first.get(), 0xff, sizeof(unsigned long long), s));
   const int blocks = int(std::min<int64_t>(ceil_div(n, kThreads), 4 * int64_t(sm_count())));
