@@ -251,6 +251,9 @@ def _check_config(module):
     module._msa_checked = True
 
 
+# Kept out of torch.compile (generate compiles the model's forward by itself with a static
+# cache): the layout is host work, and tracing into it splits the graph at every sync.
+@torch.compiler.disable
 def msa_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None,
                           block_indices=None, **kwargs):
     """The function registered as attention implementation ``"msa"``: sparse layers (those with
