@@ -17,10 +17,9 @@ std::shared_ptr<void> allocate_device(int64_t bytes, int device, void* stream, b
 
 }  // namespace msa::detail
 
-#if MSA_WITH_CUDA
+// Declared in every build, defined by the CUDA backend only (see core/dispatch.h).
 namespace msa::cuda {
 // The built-in allocator's scratch path: cudaMallocAsync / cudaFreeAsync on `stream`.
 void* allocate_async(int64_t bytes, int device, void* stream);
 void release_async(void* ptr, int device, void* stream);
 }  // namespace msa::cuda
-#endif

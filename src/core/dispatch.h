@@ -1,13 +1,15 @@
 // The one way src/core hands a validated call to a backend: inputs on a CUDA device go to the
 // CUDA backend, all others to the CPU backend. In a build without the CUDA backend, CUDA inputs
 // get an `unsupported` error that says how to build one. src/core/ops.cpp and
-// src/core/inference.cpp dispatch every operation through here.
+// src/core/inference.cpp dispatch every operation through here, src/core/tensor.cpp its device
+// memory, copies and synchronisation.
 //
 // The cuda:: entry points are declared in every build (backend.h, backend_inference.h) but
 // defined only with MSA_WITH_CUDA; without it, `on_cuda` is never called, so nothing refers to
 // them.
 #pragma once
 
+#include <type_traits>
 #include <utility>
 
 #include "core/check.h"
@@ -30,6 +32,14 @@ decltype(auto) dispatch(const char* op, Device device, OnCpu&& on_cpu, OnCuda&& 
     else no_cuda_backend(op);
   }
   return std::forward<OnCpu>(on_cpu)();
+}
+
+// Runs on_cuda() for work that exists only with a CUDA device (device memory, copies to or from
+// it, synchronising it).
+template <class OnCuda>
+std::invoke_result_t<OnCuda&> cuda_only(const char* op, OnCuda&& on_cuda) {
+  if constexpr (kWithCuda) return std::forward<OnCuda>(on_cuda)();
+  else no_cuda_backend(op);
 }
 
 }  // namespace msa::detail

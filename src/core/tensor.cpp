@@ -9,6 +9,7 @@
 #include "backend.h"
 #include "core/allocator.h"
 #include "core/check.h"
+#include "core/dispatch.h"
 
 namespace msa {
 
@@ -42,27 +43,22 @@ DeviceAllocator device_allocator() {
 namespace detail {
 
 std::shared_ptr<void> allocate_device(int64_t bytes, int device, void* stream, bool scratch) {
-#if MSA_WITH_CUDA
-  if (auto a = current_allocator()) {
-    void* p = a->allocate(bytes, device, stream, a->context);
-    if (!p)
-      throw Error(ErrorKind::runtime,
-                  concat("the device allocator returned no memory for ", bytes, " bytes on cuda:", device));
-    return std::shared_ptr<void>(p, [a, bytes, device, stream](void* q) { a->deallocate(q, bytes, device, stream, a->context); });
-  }
-  if (scratch) {
-    void* p = cuda::allocate_async(bytes, device, stream);
-    return std::shared_ptr<void>(p, [device, stream](void* q) { cuda::release_async(q, device, stream); });
-  }
-  void* p = cuda::allocate(bytes, device);
-  return std::shared_ptr<void>(p, [device](void* q) { cuda::release(q, device); });
-#else
-  (void)bytes;
-  (void)device;
-  (void)stream;
-  (void)scratch;
-  unsupported("device memory was requested but msa was built without the CUDA backend");
-#endif
+  return cuda_only("allocating device memory", [&]() -> std::shared_ptr<void> {
+    if (auto a = current_allocator()) {
+      void* p = a->allocate(bytes, device, stream, a->context);
+      if (!p)
+        throw Error(ErrorKind::runtime,
+                    concat("the device allocator returned no memory for ", bytes, " bytes on cuda:", device));
+      return std::shared_ptr<void>(
+          p, [a, bytes, device, stream](void* q) { a->deallocate(q, bytes, device, stream, a->context); });
+    }
+    if (scratch) {
+      void* p = cuda::allocate_async(bytes, device, stream);
+      return std::shared_ptr<void>(p, [device, stream](void* q) { cuda::release_async(q, device, stream); });
+    }
+    void* p = cuda::allocate(bytes, device);
+    return std::shared_ptr<void>(p, [device](void* q) { cuda::release(q, device); });
+  });
 }
 
 }  // namespace detail
@@ -132,12 +128,7 @@ Buffer::Buffer(Device device, DType dtype, std::vector<int64_t> shape, void* str
   bytes_ = n * dtype_size(dtype);
   const size_t alloc = size_t(bytes_ > 0 ? bytes_ : 1);
   if (device.is_cuda()) {
-#if MSA_WITH_CUDA
     storage_ = detail::allocate_device(int64_t(alloc), device.index, stream, false);
-#else
-    (void)stream;
-    detail::unsupported("a CUDA buffer was requested but msa was built without the CUDA backend");
-#endif
   } else {
     void* p = std::aligned_alloc(64, (alloc + 63) / 64 * 64);
     if (!p) throw Error(ErrorKind::runtime, detail::concat("out of host memory allocating ", bytes_, " bytes"));
@@ -182,21 +173,12 @@ void copy(const TensorView& src, const TensorView& dst, void* stream) {
     std::memmove(dst.data, src.data, size_t(bytes));
     return;
   }
-#if MSA_WITH_CUDA
-  cuda::copy_bytes(dst.data, dst.device, src.data, src.device, bytes, stream);
-#else
-  (void)stream;
-  detail::unsupported("copy: CUDA tensors given but msa was built without the CUDA backend");
-#endif
+  detail::cuda_only("copy", [&] { cuda::copy_bytes(dst.data, dst.device, src.data, src.device, bytes, stream); });
 }
 
 void synchronize(Device device) {
   if (!device.is_cuda()) return;
-#if MSA_WITH_CUDA
-  cuda::synchronize(device.index);
-#else
-  detail::unsupported("synchronize: msa was built without the CUDA backend");
-#endif
+  detail::cuda_only("synchronize", [&] { cuda::synchronize(device.index); });
 }
 
 void zero(const TensorView& t, void* stream) {
@@ -208,12 +190,7 @@ void zero(const TensorView& t, void* stream) {
     std::memset(t.data, 0, size_t(bytes));
     return;
   }
-#if MSA_WITH_CUDA
-  cuda::memset_zero(t.data, t.device.index, bytes, stream);
-#else
-  (void)stream;
-  detail::unsupported("zero: msa was built without the CUDA backend");
-#endif
+  detail::cuda_only("zero", [&] { cuda::memset_zero(t.data, t.device.index, bytes, stream); });
 }
 
 }  // namespace msa
