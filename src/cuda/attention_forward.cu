@@ -290,14 +290,10 @@ __device__ bool load_key_block(const ForwardArgs& a, const TaskBlock& blk, uint3
     uint4 x = make_uint4(0, 0, 0, 0);
     if (key < nkeys) x = __ldg(reinterpret_cast<const uint4*>(vb + key * stride + ch * 8));
     uint32_t words[4] = {x.x, x.y, x.z, x.w};
-    uint32_t nonfinite = 0;
+    if ((nonfinite_bf16x2_signs(x.x) | nonfinite_bf16x2_signs(x.y) | nonfinite_bf16x2_signs(x.z) |
+         nonfinite_bf16x2_signs(x.w)) != 0) {  // rare: masking and shared-memory atomics only then
 #pragma unroll
-    for (int w = 0; w < 4; ++w) {
-      const uint32_t bad = nonfinite_bf16x2(words[w]);
-      words[w] &= ~bad;
-      nonfinite |= bad;
-    }
-    if (nonfinite != 0) {  // rare: atomics on shared memory only then
+      for (int w = 0; w < 4; ++w) words[w] &= ~nonfinite_bf16x2(words[w]);
       atomicOr(&nonfinite_keys[key >> 5], 1u << (key & 31));
       any_nonfinite = true;
     }

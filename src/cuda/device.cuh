@@ -246,7 +246,14 @@ __device__ __forceinline__ float warp_sum4(float v) {
 
 __device__ __forceinline__ float bf16_bits_to_float(uint16_t h) { return __uint_as_float(uint32_t(h) << 16); }
 
+// The sign bit (0x8000) of each bf16 half of `w` that is an infinity or a NaN, else 0: one step
+// added to an all-ones exponent carries into the sign bit, to any other exponent it does not
+// (and never into the next half). Three integer operations; ORed over words, one test.
+__device__ __forceinline__ uint32_t nonfinite_bf16x2_signs(uint32_t w) {
+  return ((w & 0x7f807f80u) + 0x00800080u) & 0x80008000u;
+}
+
 // 0xffff in each bf16 half of `w` that is an infinity or a NaN (exponent all ones), else 0.
-__device__ __forceinline__ uint32_t nonfinite_bf16x2(uint32_t w) { return __vcmpeq2(w & 0x7f807f80u, 0x7f807f80u); }
+__device__ __forceinline__ uint32_t nonfinite_bf16x2(uint32_t w) { return (nonfinite_bf16x2_signs(w) >> 15) * 0xffffu; }
 
 }  // namespace msa::cuda
