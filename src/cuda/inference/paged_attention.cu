@@ -360,7 +360,7 @@ __global__ void __launch_bounds__(NW * 32, 1) paged_attention_kernel(const AttnA
   const bool per_token = a.k_token_scale != nullptr;
   const uint32_t q_tile = q_tiles + my_tile_row * kQTileBytes;
   const int quad = lane & 3, gr = lane >> 2;
-  constexpr bool kEarlyV = NW <= 8;
+  constexpr bool kEarlyV = NW <= 8 && F == KvFormat::bf16;
 
   float o[16][4];
 #pragma unroll
@@ -403,7 +403,8 @@ __global__ void __launch_bounds__(NW * 32, 1) paged_attention_kernel(const AttnA
         }
         // The chunk's V fragments, loaded before the softmax so that their latency hides
         // behind it (two warps per scheduler have little else to switch to). With 16 warps
-        // (128 registers a thread) they would spill: loaded right before their MMAs.
+        // (128 registers a thread) they would spill: loaded right before their MMAs. Only for
+        // bf16 pages: the converted FP8 / NVFP4 tile path is already at its register limit.
         uint32_t vb[kEarlyV ? 8 : 1][4];
         if constexpr (kEarlyV)
 #pragma unroll
