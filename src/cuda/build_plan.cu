@@ -13,6 +13,7 @@
 #include <limits>
 
 #include "backend.h"
+#include "msa/constants.h"
 #include "plan_records.h"
 #include "cuda/common.cuh"
 #include "cuda/device_layout.cuh"
@@ -24,6 +25,12 @@ namespace msa::cuda {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kTopk = model::kTopk;
+constexpr int kBlockShift = 7;  // key block of a position: pos >> kBlockShift
+static_assert(1 << kBlockShift == model::kBlockSize);
+// An edge's value packs (query within its document, the edge's partial slot < kTopk).
+constexpr int kSlotBits = 4;
+static_assert(1 << kSlotBits == kTopk);
 
 int blocks_for(int64_t n) { return int(std::max<int64_t>(1, ceil_div(n, kThreads))); }
 
@@ -51,9 +58,9 @@ __device__ __forceinline__ int64_t upper_bound(const int32_t* a, int64_t n, int3
   return l;
 }
 
-// One thread per (head, query): validates the 16 ids and emits one (key, value) per slot.
-// key = head * rows + row (or `sentinel` for an unused slot), value = local query * 16 + the
-// edge's partial slot (number of the query's valid blocks with a smaller id).
+// One thread per (head, query): validates the kTopk ids and emits one (key, value) per slot.
+// key = head * rows + row (or `sentinel` for an unused slot), value = local query * kTopk +
+// the edge's partial slot (number of the query's valid blocks with a smaller id).
 __global__ void plan_edges_kernel(const int32_t* __restrict__ topk, int32_t total_q, int Hkv, int B,
                                   const int32_t* __restrict__ cu_q, const DocInfo* __restrict__ docs,
                                   const int32_t* __restrict__ doc_row_base, const int32_t* __restrict__ row_of,
@@ -66,18 +73,18 @@ __global__ void plan_edges_kernel(const int32_t* __restrict__ topk, int32_t tota
   const int b = find_document(cu_q, B, q);
   const DocInfo d = docs[b];
   const int32_t ql = q - d.q_start;
-  const int32_t local = (d.k_len - d.q_len + ql) >> 7;
-  int32_t ids[16];
-  const int4* src = reinterpret_cast<const int4*>(topk + idx * 16);
+  const int32_t local = (d.k_len - d.q_len + ql) >> kBlockShift;
+  int32_t ids[kTopk];
+  const int4* src = reinterpret_cast<const int4*>(topk + idx * kTopk);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < kTopk / 4; ++i) {
     const int4 v = src[i];
     ids[4 * i] = v.x; ids[4 * i + 1] = v.y; ids[4 * i + 2] = v.z; ids[4 * i + 3] = v.w;
   }
   int bad = -1, count = 0;
   bool ended = false;
 #pragma unroll
-  for (int s = 0; s < 16; ++s) {
+  for (int s = 0; s < kTopk; ++s) {
     const int32_t id = ids[s];
     bool wrong = false;
     if (id < 0) {
@@ -103,18 +110,18 @@ __global__ void plan_edges_kernel(const int32_t* __restrict__ topk, int32_t tota
   split_counts[int64_t(q) * Hkv + h] = count;
   const int32_t base = b < B ? doc_row_base[b] : 0;
 #pragma unroll
-  for (int s = 0; s < 16; ++s) {
+  for (int s = 0; s < kTopk; ++s) {
     const int32_t id = ids[s];
     int32_t key = sentinel, val = 0;
     if (bad < 0 && id >= 0) {
       int rank = 0;
 #pragma unroll
-      for (int t = 0; t < 16; ++t) rank += (ids[t] >= 0 && ids[t] < id) ? 1 : 0;
+      for (int t = 0; t < kTopk; ++t) rank += (ids[t] >= 0 && ids[t] < id) ? 1 : 0;
       key = h * total_rows + row_of[base + id];
-      val = ql * 16 + rank;
+      val = (ql << kSlotBits) + rank;
     }
-    keys[idx * 16 + s] = key;
-    vals[idx * 16 + s] = val;
+    keys[idx * kTopk + s] = key;
+    vals[idx * kTopk + s] = val;
   }
 }
 
@@ -128,8 +135,8 @@ __global__ void plan_scatter_kernel(const int32_t* __restrict__ keys, const int3
   const int h = key / total_rows;
   const int64_t head_start = lower_bound(keys, n, h * total_rows);
   const int64_t pos = int64_t(h) * edges_per_head + (i - head_start);
-  q_indices[pos] = vals[i] >> 4;
-  split_slot[pos] = vals[i] & 15;
+  q_indices[pos] = vals[i] >> kSlotBits;
+  split_slot[pos] = vals[i] & (kTopk - 1);
 }
 
 __global__ void plan_row_ptr_kernel(const int32_t* __restrict__ keys, int64_t n, int Hkv, int32_t total_rows,
@@ -221,7 +228,7 @@ HostRows number_rows(const PackedLayout& L) {
   std::vector<int64_t> nblk(static_cast<size_t>(B));
   int64_t total = 0;
   for (int b = 0; b < B; ++b) {
-    nblk[size_t(b)] = ceil_div(L.document(b).k_len, 128);
+    nblk[size_t(b)] = ceil_div(L.document(b).k_len, model::kBlockSize);
     h.doc_row_base.push_back(int32_t(total));
     total += nblk[size_t(b)];
   }
@@ -368,9 +375,9 @@ void build_plan(const Topology& topo, const PackedLayout& L, const TensorView& t
   const cudaStream_t s = as_stream(opt);
   const int Hkv = topo.num_kv_heads, B = L.num_documents();
   const int64_t total_q = L.total_q(), rows = plan.total_rows;
-  const int64_t edges = int64_t(Hkv) * total_q * 16;
+  const int64_t edges = int64_t(Hkv) * total_q * kTopk;
   if (edges >= (int64_t(1) << 31) || total_q >= (int64_t(1) << 27) || Hkv * (rows + 1) >= (int64_t(1) << 31))
-    throw Error(ErrorKind::unsupported, "build_plan (CUDA): Hkv * total_q * 16 must be below 2^31, got " +
+    throw Error(ErrorKind::unsupported, "build_plan (CUDA): Hkv * total_q * topk (16) must be below 2^31, got " +
                                             std::to_string(edges));
 
   // Nothing below allocates outside the device allocator, copies from pageable memory or
@@ -410,7 +417,7 @@ void build_plan(const Topology& topo, const PackedLayout& L, const TensorView& t
   state->keys_overlap = key_ranges_overlap(L);
 
   plan.work_count = -1;
-  MSA_CUDA_CHECK(cudaMemsetAsync(plan.status.data(), 0, 16, s));
+  MSA_CUDA_CHECK(cudaMemsetAsync(plan.status.data(), 0, size_t(plan.status.bytes()), s));
   MSA_CUDA_CHECK(cudaMemsetAsync(plan.q_indices.data(), 0xff, size_t(plan.q_indices.bytes()), s));
   MSA_CUDA_CHECK(cudaMemsetAsync(plan.split_slot.data(), 0xff, size_t(plan.split_slot.bytes()), s));
   MSA_CUDA_CHECK(cudaMemsetAsync(plan.row_ptr.data(), 0, size_t(plan.row_ptr.bytes()), s));
@@ -433,7 +440,7 @@ void build_plan(const Topology& topo, const PackedLayout& L, const TensorView& t
     MSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.get(), sort_bytes, keys_in.as<int32_t>(), keys_out.as<int32_t>(),
                                                    vals_in.as<int32_t>(), vals_out.as<int32_t>(), int(edges), 0, bits, s));
     plan_scatter_kernel<<<blocks_for(edges), kThreads, 0, s>>>(
-        keys_out.as<int32_t>(), vals_out.as<int32_t>(), edges, int32_t(rows), sentinel, total_q * 16,
+        keys_out.as<int32_t>(), vals_out.as<int32_t>(), edges, int32_t(rows), sentinel, total_q * kTopk,
         static_cast<int32_t*>(plan.q_indices.data()), static_cast<int32_t*>(plan.split_slot.data()));
     MSA_CUDA_CHECK_LAUNCH("plan_scatter_kernel");
     if (rows > 0) {

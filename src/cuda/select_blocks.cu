@@ -16,6 +16,7 @@
 
 #include "attention_state.h"
 #include "backend.h"
+#include "msa/constants.h"
 #include "cuda/common.cuh"
 #include "cuda/device.cuh"
 #include "cuda/wgmma.cuh"
@@ -23,12 +24,19 @@
 namespace msa::cuda {
 namespace {
 
+constexpr int kBlock = model::kBlockSize;  // keys of a block: rows of a key tile
+constexpr int kDim = model::kHeadDim;      // index head dim: columns of the query and key tiles
+constexpr int kTopk = model::kTopk;
+constexpr int kTileVectors = 128;  // (query, index head) vectors of a CTA: two m64 warpgroup tiles
+constexpr int kWarpRows = 16;      // rows of a warp's m16 MMA tiles (consecutive queries of one head)
+constexpr int kNFrags = kBlock / 8;  // n8 accumulator fragments across a key block
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
-constexpr int kTileBytes = 128 * 256;
+constexpr int kTileBytes = kBlock * kDim * 2;  // a bf16 key tile; the query tile is the same size
+static_assert(kTileVectors == kBlock && kWarps * kWarpRows == kTileVectors, "128 x 128 tiles, 16 rows a warp");
 constexpr int kSmemBytes = 3 * kTileBytes + 1024;  // two key stages, the query tile, alignment slack
 constexpr int kMaxDocs = 320;  // documents per launch (kernel parameter space)
-constexpr int kList = 15;      // ranked history slots at most (topk 16, local >= 1)
+constexpr int kList = kTopk - 1;  // ranked history slots at most (local >= 1)
 
 struct IndexerDocs {
   int32_t tile_begin[kMaxDocs + 1];  // prefix of tiles per document (launch-local)
@@ -39,11 +47,11 @@ struct IndexerDocs {
 struct IndexerArgs {
   const __nv_bfloat16* iq;  // [Tq, Hi, 128]
   const __nv_bfloat16* ik;  // [Tk, 1, 128]
-  int32_t* topk;            // [Hi, Tq, 16]
+  int32_t* topk;            // [Hi, Tq, 16 = kTopk]
   float* sel_lse;           // [Hi, Tq] or null
   int64_t total_q;
   int Hi;
-  int tile_queries;  // 128 / Hi
+  int tile_queries;  // kTileVectors / Hi
   int init_blocks, local_blocks;
   float scale;           // index score = scale * <qi, ki>
   float lse_scale_log2;  // scale / temperature * log2(e)
@@ -68,23 +76,25 @@ __global__ void __launch_bounds__(kThreads, 1) select_blocks_kernel(const Indexe
   const int q0 = tile * a.tile_queries;
   const int nq = min(a.tile_queries, q_len - q0);
   const int pos0 = k_len - q_len + q0;
-  const int nblocks = (pos0 + nq - 1) / 128 + 1;
+  const int nblocks = (pos0 + nq - 1) / kBlock + 1;
 
   const int g = warp % a.Hi;
-  const int wq0 = 16 * (warp / a.Hi);
-  const int wrows = max(0, min(16, nq - wq0));
+  const int wq0 = kWarpRows * (warp / a.Hi);
+  const int wrows = max(0, min(kWarpRows, nq - wq0));
   // Blocks the warpgroup computes (wgmma is collective): up to its last query's local block.
-  const int wg_first = 16 * ((warp & ~3) / a.Hi), wg_last = min(nq, 16 * ((warp | 3) / a.Hi) + 16) - 1;
-  const int wg_nblk = wg_first < nq ? (pos0 + wg_last) / 128 + 1 : 0;
+  const int wg_first = kWarpRows * ((warp & ~3) / a.Hi);
+  const int wg_last = min(nq, kWarpRows * ((warp | 3) / a.Hi) + kWarpRows) - 1;
+  const int wg_nblk = wg_first < nq ? (pos0 + wg_last) / kBlock + 1 : 0;
 
   const uint32_t kst = align1024(smem_addr(smem));
   const uint32_t qs = kst + 2 * kTileBytes;
   auto load_keys = [&](int j, int stage) {
-    load_tile_async(kst + stage * kTileBytes, 128, 0, a.ik + int64_t(k_start + j * 128) * 128, 128, 128,
-                    min(128, k_len - j * 128), tid, kThreads);
+    load_tile_async(kst + stage * kTileBytes, kBlock, 0, a.ik + int64_t(k_start + j * kBlock) * kDim, kDim, kBlock,
+                    min(kBlock, k_len - j * kBlock), tid, kThreads);
   };
-  load_tile_async(qs, 128, 16 * warp, a.iq + (int64_t(q_start + q0 + min(wq0, nq - 1)) * a.Hi + g) * 128,
-                  int64_t(a.Hi) * 128, 16, wrows, lane, 32);
+  load_tile_async(qs, kTileVectors, kWarpRows * warp,
+                  a.iq + (int64_t(q_start + q0 + min(wq0, nq - 1)) * a.Hi + g) * kDim, int64_t(a.Hi) * kDim,
+                  kWarpRows, wrows, lane, 32);
   load_keys(0, 0);
   cp_async_commit();
 
@@ -92,11 +102,11 @@ __global__ void __launch_bounds__(kThreads, 1) select_blocks_kernel(const Indexe
   const int own_r = wq0 + (lane >> 2) + ((t & 1) << 3);
   const bool own_valid = own_r < nq;
   const int own_pos = pos0 + own_r;
-  const int nvis = own_pos / 128 + 1;
-  const bool all_visible = nvis <= 16;
+  const int nvis = own_pos / kBlock + 1;
+  const bool all_visible = nvis <= kTopk;
   const int local_begin = nvis - a.local_blocks;
   const int init_end = min(a.init_blocks, local_begin);
-  const int slots = 16 - init_end - a.local_blocks;
+  const int slots = kTopk - init_end - a.local_blocks;
   const bool want_lse = a.sel_lse != nullptr;
 
   float sc[kList], bl[kList];
@@ -116,12 +126,12 @@ __global__ void __launch_bounds__(kThreads, 1) select_blocks_kernel(const Indexe
     __syncthreads();
     if (j < wg_nblk) {
       const uint32_t ks = kst + (j & 1) * kTileBytes;
-      float s[16][4];
-      wgmma_rows_x128(s, qs, 128, 64 * (warp >> 2), ks, 128, 0);
-      const int la = pa - j * 128, lb = pb - j * 128;  // last visible key of rows a, b
+      float s[kNFrags][4];
+      wgmma_rows_x128(s, qs, kTileVectors, 64 * (warp >> 2), ks, kBlock, 0);
+      const int la = pa - j * kBlock, lb = pb - j * kBlock;  // last visible key of rows a, b
       float ma = -INFINITY, mb = -INFINITY;
 #pragma unroll
-      for (int nt = 0; nt < 16; ++nt) {
+      for (int nt = 0; nt < kNFrags; ++nt) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int c = nt * 8 + 2 * t + e;
@@ -135,7 +145,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_blocks_kernel(const Indexe
       mb = nan_max(mb, __shfl_xor_sync(0xffffffffu, mb, 2));
 
       const float own_m = (t & 1) ? mb : ma;
-      const bool visible = own_valid && own_pos >= j * 128;
+      const bool visible = own_valid && own_pos >= j * kBlock;
       const float score = a.scale * own_m;
       const bool forced = all_visible || j < init_end || j >= local_begin;
       const bool candidate = visible && !forced && slots > 0 && score == score && (count < slots || score > threshold);
@@ -149,7 +159,7 @@ __global__ void __launch_bounds__(kThreads, 1) select_blocks_kernel(const Indexe
         float sa = 0.f, sb = 0.f;
         const bool fa = need_a && isfinite(ta), fb = need_b && isfinite(tb);
 #pragma unroll
-        for (int nt = 0; nt < 16; ++nt) {
+        for (int nt = 0; nt < kNFrags; ++nt) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const int c = nt * 8 + 2 * t + e;
@@ -159,9 +169,8 @@ __global__ void __launch_bounds__(kThreads, 1) select_blocks_kernel(const Indexe
         }
         sa = warp_sum4(sa);
         sb = warp_sum4(sb);
-        constexpr float kLn2 = 0.6931471805599453f;
         const float top = (t & 1) ? tb : ta, sum = (t & 1) ? sb : sa;
-        block_lse = isfinite(top) ? (top + __log2f(sum)) * kLn2 : top * kLn2;
+        block_lse = isfinite(top) ? (top + __log2f(sum)) * math::kLn2 : top * math::kLn2;
       }
       if (visible && forced && want_lse) lse_acc.add(block_lse);
       if (candidate) {
@@ -191,14 +200,14 @@ __global__ void __launch_bounds__(kThreads, 1) select_blocks_kernel(const Indexe
 
   if (t < 2 && own_valid) {
     const int64_t row = q_start + q0 + own_r;
-    int out[16];
+    int out[kTopk];
     if (all_visible) {
 #pragma unroll
-      for (int s = 0; s < 16; ++s) out[s] = s < nvis ? s : -1;
+      for (int s = 0; s < kTopk; ++s) out[s] = s < nvis ? s : -1;
     } else {
       const int n_init = init_end;
 #pragma unroll
-      for (int s = 0; s < 16; ++s) {
+      for (int s = 0; s < kTopk; ++s) {
         int v = -1;
         if (s < n_init) {
           v = s;
@@ -212,9 +221,9 @@ __global__ void __launch_bounds__(kThreads, 1) select_blocks_kernel(const Indexe
         out[s] = v;
       }
     }
-    int4* dst = reinterpret_cast<int4*>(a.topk + (int64_t(g) * a.total_q + row) * 16);
+    int4* dst = reinterpret_cast<int4*>(a.topk + (int64_t(g) * a.total_q + row) * kTopk);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) dst[i] = make_int4(out[4 * i], out[4 * i + 1], out[4 * i + 2], out[4 * i + 3]);
+    for (int i = 0; i < kTopk / 4; ++i) dst[i] = make_int4(out[4 * i], out[4 * i + 1], out[4 * i + 2], out[4 * i + 3]);
     if (want_lse) {
 #pragma unroll
       for (int i = 0; i < kList; ++i)
@@ -236,11 +245,11 @@ void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBloc
   a.sel_lse = p.selected_lse.present() ? p.selected_lse.as<float>() : nullptr;
   a.total_q = L.total_q();
   a.Hi = topo.num_index_heads;
-  a.tile_queries = 128 / a.Hi;
+  a.tile_queries = kTileVectors / a.Hi;
   a.init_blocks = topo.init_blocks;
   a.local_blocks = topo.local_blocks;
   a.scale = topo.indexer_scale();
-  a.lse_scale_log2 = topo.indexer_scale() / p.lse_temperature * 1.4426950408889634f;
+  a.lse_scale_log2 = topo.indexer_scale() / p.lse_temperature * math::kLog2e;
 
   // Longest documents first, so the heaviest tiles start early.
   std::vector<int> order(size_t(L.num_documents()));
