@@ -1,12 +1,14 @@
 // Paged indexer on the GPU, in two kernels per chunk of query rows:
-//   1. index_scores_kernel: CTA = (16 consecutive query rows, run of kPagesPerCta logical
-//      pages). The rows' index-q vectors (rows x Hi, at most 64) sit in shared memory as a
-//      bf16 tile; every history page of the index-K cache is streamed once per CTA (16-byte
-//      loads, the next page in flight while the current one is multiplied) and
-//      S = q . k^T runs on tensor cores (mma.sync m16n8k16, fp32 accumulation). The page score
-//      max_t S (NaN if any token's score is NaN) goes to the plan's scratch [rows, Hi, pages].
-//      The 16 rows of a CTA may belong to several requests (decode with Q < 16): they are
-//      handled request by request.
+//   1. index_scores_kernel: CTA = (tile of query rows, run of logical pages). The rows'
+//      index-q vectors (rows x Hi, at most 64) sit in shared memory as a bf16 tile; every
+//      history page of the run is streamed once per CTA (16-byte loads, the next page in
+//      flight while the current one is multiplied) and S = q . k^T runs on tensor cores
+//      (mma.sync m16n8k16, fp32 accumulation). The page score max_t S (NaN if any token's score
+//      is NaN) goes to the plan's scratch [rows, Hi, pages]. Decode tiles are the Q rows of one
+//      request; prefill tiles are 16 consecutive rows, which may belong to several requests
+//      (handled one after another). Runs are at most kMaxPagesPerCta pages, shorter when the
+//      step is small, so that the grid fills the GPU: a CTA's pages are a chain of dependent
+//      loads, and a small grid of long chains costs their latency however little it reads.
 //   2. select_kernel: one warp per (row, index head) applies the selection rule of the CPU's
 //      select_row: init pages, the best history pages by (score desc, page id asc) with NaN
 //      never chosen, then the local pages; -1 padding; padding rows all -1.
@@ -26,9 +28,9 @@ namespace {
 using namespace inference;
 
 constexpr int kThreads = 256;
-constexpr int kTileRows = 16;      // query rows per CTA
+constexpr int kTileRows = 16;      // query rows per CTA (prefill; decode: the Q rows of a request)
 constexpr int kMaxVectors = 64;    // rows x index heads per request segment (16 x 4)
-constexpr int kPagesPerCta = 8;
+constexpr int kMaxPagesPerCta = 8;
 constexpr int kChunk = 16;                             // bytes of one 16-byte load / store
 constexpr int kBf16RowChunks = kHeadDim * 2 / kChunk;  // 16-byte chunks of a bf16 128-row
 constexpr int kFp8RowChunks = kHeadDim / kChunk;       // ... of an E4M3 row
@@ -62,6 +64,8 @@ struct ScoreArgs {
   const int32_t* page_table;
   int64_t max_pages;
   int64_t row_begin, row_end;
+  int tile_rows;           // query rows of a CTA (<= kTileRows)
+  int pages_per_cta;       // logical pages of a run (<= kMaxPagesPerCta)
   int hi;
   int topk;
   float* scores;           // [rows, hi, score_stride]
@@ -149,16 +153,16 @@ __global__ void __launch_bounds__(kThreads) index_scores_kernel(const ScoreArgs 
   auto& partial = smem.partial;
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t tile_begin = a.row_begin + int64_t(blockIdx.x) * kTileRows;
-  const int64_t tile_end = min(tile_begin + kTileRows, a.row_end);
-  const int64_t page_begin = int64_t(blockIdx.y) * kPagesPerCta;
+  const int64_t tile_begin = a.row_begin + int64_t(blockIdx.x) * a.tile_rows;
+  const int64_t tile_end = min(tile_begin + a.tile_rows, a.row_end);
+  const int64_t page_begin = int64_t(blockIdx.y) * a.pages_per_cta;
 
   for (int64_t seg = tile_begin; seg < tile_end;) {
     const int32_t req = a.request[seg];
     int64_t seg_end = seg + 1;
     while (seg_end < tile_end && a.request[seg_end] == req) ++seg_end;
     const int64_t need = scored_pages(a.positions[seg_end - 1], a.topk);  // positions rise within a request
-    const int64_t page_end = min(page_begin + kPagesPerCta, need);
+    const int64_t page_end = min(page_begin + a.pages_per_cta, need);
     if (page_begin < page_end) {
       const int nv = int(seg_end - seg) * a.hi;
       __syncthreads();  // the previous segment is done with the Q tile
@@ -301,15 +305,23 @@ __global__ void __launch_bounds__(kThreads) select_kernel(const SelectArgs a) {
   for (int s = n + lane; s < a.topk; s += 32) out[s] = -1;
 }
 
+// Scores of `history` logical pages for `tiles` tiles of rows. Runs of pages per CTA: as long
+// as kMaxPagesPerCta, as short as 1, so that tiles x runs reaches the CTAs the GPU holds at
+// once (SMs x CTAs per SM) when the step has that much work.
 template <bool QFp8, bool KFp8>
-void launch_scores(const ScoreArgs& a, unsigned tiles, unsigned page_runs, cudaStream_t stream) {
+void launch_scores(ScoreArgs a, int64_t tiles, int64_t history, cudaStream_t stream) {
   constexpr int smem = 1024 + int(sizeof(ScoresStorage));
-  static bool configured = false;
-  if (!configured) {
+  static int per_sm = 0;  // CTAs per SM: depends on the kernel and the architecture only
+  if (per_sm == 0) {
     MSA_CUDA_CHECK(cudaFuncSetAttribute(index_scores_kernel<QFp8, KFp8>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    configured = true;
+    int n = 0;
+    MSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, index_scores_kernel<QFp8, KFp8>, kThreads, smem));
+    per_sm = std::max(n, 1);
   }
-  index_scores_kernel<QFp8, KFp8><<<dim3(tiles, page_runs), kThreads, smem, stream>>>(a);
+  const int64_t resident = int64_t(sm_count()) * per_sm;
+  a.pages_per_cta = int(std::clamp<int64_t>(ceil_div(tiles * history, resident), 1, kMaxPagesPerCta));
+  const unsigned runs = unsigned(ceil_div(history, a.pages_per_cta));
+  index_scores_kernel<QFp8, KFp8><<<dim3(unsigned(tiles), runs), kThreads, smem, stream>>>(a);
   MSA_CUDA_CHECK_LAUNCH("index_scores_kernel");
 }
 
@@ -326,7 +338,10 @@ void paged_indexer(const InferencePlan& plan, const PagedIndexerParams& p, const
   const TensorView scratch = plan.scratch_f32.view();
   const int64_t chunk_rows = scratch.shape[0];
   const int64_t score_stride = scratch.shape[1] / hi;
-  detail::require(chunk_rows > 0 && score_stride >= pages - 1,
+  // Decode: a tile is one request's Q rows (its pages are its own: rows of other requests
+  // would only queue behind it), and chunks hold whole requests.
+  const int64_t tile_rows = plan.phase == InferencePhase::decode ? plan.q_len_per_req : kTileRows;
+  detail::require(chunk_rows >= tile_rows && score_stride >= pages - 1,
                   "paged_indexer: the plan's scratch does not fit this plan (build the plan on the CUDA device)");
   // index_k_cache rows are 16-byte aligned (checked in src/core/inference.cpp).
 
@@ -357,17 +372,19 @@ void paged_indexer(const InferencePlan& plan, const PagedIndexerParams& p, const
   se.local_blocks = plan.topo.local_blocks;
   se.out = p.topk.as<int32_t>();
 
-  const unsigned page_runs = unsigned(ceil_div(std::max<int64_t>(1, pages - 1), kPagesPerCta));
-  for (int64_t r0 = 0; r0 < T; r0 += chunk_rows) {
-    const int64_t r1 = std::min(T, r0 + chunk_rows);
+  const int64_t rows_per_chunk = chunk_rows / tile_rows * tile_rows;
+  sa.tile_rows = int(tile_rows);
+  const int64_t history = std::max<int64_t>(1, pages - 1);
+  for (int64_t r0 = 0; r0 < T; r0 += rows_per_chunk) {
+    const int64_t r1 = std::min(T, r0 + rows_per_chunk);
     sa.row_begin = se.row_begin = r0;
     sa.row_end = se.row_end = r1;
     if (pages - 1 > plan.topo.topk - 1) {  // some row may rank history pages
-      const unsigned tiles = unsigned(ceil_div(r1 - r0, kTileRows));
-      if (q_fp8 && k_fp8) launch_scores<true, true>(sa, tiles, page_runs, stream);
-      else if (q_fp8) launch_scores<true, false>(sa, tiles, page_runs, stream);
-      else if (k_fp8) launch_scores<false, true>(sa, tiles, page_runs, stream);
-      else launch_scores<false, false>(sa, tiles, page_runs, stream);
+      const int64_t tiles = ceil_div(r1 - r0, tile_rows);
+      if (q_fp8 && k_fp8) launch_scores<true, true>(sa, tiles, history, stream);
+      else if (q_fp8) launch_scores<true, false>(sa, tiles, history, stream);
+      else if (k_fp8) launch_scores<false, true>(sa, tiles, history, stream);
+      else launch_scores<false, false>(sa, tiles, history, stream);
     }
     const int64_t items = (r1 - r0) * hi;
     select_kernel<<<unsigned(ceil_div(items, kThreads / 32)), kThreads, 0, stream>>>(se);
