@@ -57,6 +57,9 @@ void insert_kv(const KvInsertParams&, const RunOptions&);
 void nvfp4_to_fp8(const Nvfp4ToFp8Params&, const RunOptions&);
 void paged_indexer(const InferencePlan&, const PagedIndexerParams&, const RunOptions&);
 void paged_attention(const InferencePlan&, const PagedAttentionParams&, const RunOptions&);
+// Decode attention CTAs (Q rows per request) that run at once on `device`: its SM count times
+// the CTAs of the kernel that fit on an SM (the fewest over the cache formats).
+int64_t decode_attention_concurrency(int device, int q_len_per_req);
 }  // namespace cuda
 
 }  // namespace msa

@@ -2,7 +2,8 @@
 // cache insertion in every format, NVFP4 -> FP8, the paged indexer (equal selections, or
 // near-ties checked against the float64 oracle), paged prefill / decode attention over every
 // cache format (relative L2 and LSE within docs/semantics.md §10), strided cache views, CUDA-graph capture
-// and replay of a decode step, and bitwise repeatability.
+// and replay of a decode step, the automatic split count on the device, and bitwise repeatability.
+#include "../src/core/decode_splits.h"
 #include "inference_support.h"
 #include "test_gpu_support.h"
 
@@ -570,6 +571,32 @@ TEST(GpuInference, DecodeStepGraphReplayWithNewContents) {
   CHECK_CUDA(cudaGraphExecDestroy(exec));
   CHECK_CUDA(cudaGraphDestroy(graph));
   CHECK_CUDA(cudaStreamDestroy(stream));
+}
+
+TEST(GpuInference, AutomaticSplitCountFollowsTheDevice) {
+  MSA_REQUIRE_GPU();
+  int sms = 0;
+  CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  const Topology topo = Topology::minimax_m3();
+  for (int64_t batch : {1, 8, 32, 128})
+    for (int32_t context : {1000, 4096, 131072}) {
+      SCOPED_TRACE("batch " + std::to_string(batch) + ", context " + std::to_string(context));
+      const int64_t pages = (context + 127) / 128;
+      const std::vector<int32_t> seq(size_t(batch), context);
+      std::vector<int32_t> ids(size_t(batch * pages));
+      std::iota(ids.begin(), ids.end(), 0);
+      const HostTensor sl = int_tensor(seq, {batch}), pt = int_tensor(ids, {batch, pages});
+      DecodeMetadata m;
+      m.seq_lens = sl.view();
+      m.page_table = pt.view();
+      m.q_len_per_req = 8;
+      InferencePlanOptions o;
+      o.device = kGpu;
+      const InferencePlan plan = plan_decode(topo, m, o);
+      // One attention CTA an SM: every variant takes over 140 KB of shared memory.
+      EXPECT_EQ(plan.num_kv_splits, detail::automatic_kv_splits(detail::decode_split_work(seq, 8, topo.num_kv_heads, sms)));
+      EXPECT_EQ(plan.partial_out.view().shape[0], plan.num_kv_splits);
+    }
 }
 #endif
 

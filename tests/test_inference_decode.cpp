@@ -1,6 +1,7 @@
 // Decode (1..16 queries per request, split-K over the 16 slots) against the float64 oracle:
 // per-query causal positions and selections, padding rows, every split count, and agreement
-// with paged prefill of the same rows.
+// with paged prefill of the same rows, and the automatic split count (its rule on a given device).
+#include "../src/core/decode_splits.h"
 #include "inference_support.h"
 
 namespace msa::test {
@@ -97,15 +98,64 @@ TEST(InferenceDecode, MatchesPagedPrefillOfTheSameRows) {
 
 TEST(InferenceDecode, AutomaticSplitCount) {
   MSA_SEEDED_RNG(rng);
-  // 256 / (batch * Hkv) rounded down to a power of two, clamped to [1, 16].
-  EXPECT_EQ(make_decode_case(rng, kSmall, {200}, 1).plan().num_kv_splits, 16);
-  EXPECT_EQ(make_decode_case(rng, Topology::minimax_m3(), {200, 8, 9}, 8).plan().num_kv_splits, 16);
-  EXPECT_EQ(make_decode_case(rng, Topology::minimax_m3(), {200, 8, 9, 10, 11, 12, 13, 14, 15}, 8).plan().num_kv_splits, 4);
-  std::vector<int32_t> many(40, 300);
-  EXPECT_EQ(make_decode_case(rng, Topology::minimax_m3(), many, 8).plan().num_kv_splits, 1);
+  // CPU plans: 1 (the CPU runs a row's splits one after another); an explicit count is kept.
+  EXPECT_EQ(make_decode_case(rng, kSmall, {200}, 1).plan().num_kv_splits, 1);
+  EXPECT_EQ(make_decode_case(rng, Topology::minimax_m3(), {2200, 8, 9}, 8).plan().num_kv_splits, 1);
   const InferencePlan plan = make_decode_case(rng, kSmall, {200, 300}, 3).plan(4);
   EXPECT_EQ(plan.num_kv_splits, 4);
   EXPECT_EQ(plan.partial_out.view().shape_vector(), (std::vector<int64_t>{4, 6, 16, 128}));
+}
+
+// The automatic split rule of CUDA plans (src/core/decode_splits.h) for `batch` requests of
+// `context` tokens, Q queries each, Hkv KV heads, on a device running `ctas` attention CTAs at
+// once (an H200: 132 SMs, one CTA each).
+int rule_splits(int64_t batch, int32_t context, int q = 8, int hkv = 4, int64_t ctas = 132) {
+  return detail::automatic_kv_splits(
+      detail::decode_split_work(std::vector<int32_t>(size_t(batch), context), q, hkv, ctas));
+}
+
+TEST(DecodeSplitRule, OneWaveOfSplitsWithSeveralPages) {
+  EXPECT_EQ(rule_splits(8, 4096), 4);  // 32 units x 4 = 128 CTAs; 8 splits would be two waves
+  EXPECT_EQ(rule_splits(1, 4096), 8);  // 4 units; at most 32 pages a unit, 4 a split
+  EXPECT_LT(rule_splits(8, 4096), rule_splits(1, 4096));
+  EXPECT_EQ(rule_splits(1, 4096, 1), 4);  // one query: 16 pages a unit
+  EXPECT_EQ(rule_splits(8, 131072), 4);
+  EXPECT_EQ(rule_splits(32, 32768), 1);  // 128 units fill the card
+  EXPECT_EQ(rule_splits(128, 131072), 1);
+  EXPECT_EQ(rule_splits(8, 4096, 8, 4, 264), 8);  // two CTAs an SM: room for twice the splits
+  EXPECT_EQ(rule_splits(1, 4096, 8, 4, 16), 4);   // a small device
+  EXPECT_EQ(rule_splits(1, 1900), 2);    // 15 visible pages: slots 8..14 fill a second split
+  EXPECT_EQ(rule_splits(1, 1000), 1);    // 8 visible pages: a second split would hold none
+  EXPECT_EQ(rule_splits(1, 1), 1);
+  // Padding requests (seq_len 0) add no work; a step of padding only gets 1.
+  EXPECT_EQ(detail::automatic_kv_splits(detail::decode_split_work({0, 4096, 0, 0, 0, 0, 0, 0}, 8, 4, 132)),
+            rule_splits(1, 4096));
+  EXPECT_EQ(detail::automatic_kv_splits(detail::decode_split_work({0, 0}, 8, 4, 132)), 1);
+}
+
+TEST(DecodeSplitRule, EverySplitHoldsPagesAndLargerBatchesNeverSplitMore) {
+  const std::vector<int32_t> contexts = {1, 100, 128, 129, 1000, 1900, 2048, 2049, 4096, 32768, 131072};
+  const std::vector<int64_t> batches = {1, 2, 3, 5, 8, 16, 32, 33, 64, 128, 256};
+  for (int64_t ctas : {1, 66, 132, 264, 1000})
+    for (int hkv : {1, 4})
+      for (int q = 1; q <= 16; ++q)
+        for (int32_t context : contexts) {
+          int previous = 16;
+          for (int64_t batch : batches) {
+            SCOPED_TRACE("ctas " + std::to_string(ctas) + ", Hkv " + std::to_string(hkv) + ", Q " + std::to_string(q) +
+                         ", batch " + std::to_string(batch) + ", context " + std::to_string(context));
+            const int s = rule_splits(batch, context, q, hkv, ctas);
+            ASSERT_TRUE(s == 1 || s == 2 || s == 4 || s == 8 || s == 16) << s;
+            ASSERT_LE(s, previous);
+            previous = s;
+            if (s == 1) continue;
+            EXPECT_LE(batch * hkv * s, ctas) << "more than one wave";
+            // Split s - 1 holds slots 16 - 16 / s .. 15; the last row fills min(16, visible) slots.
+            const int64_t visible = (context + 127) / 128;
+            EXPECT_LT(16 - 16 / s, std::min<int64_t>(16, visible)) << "the last split holds no page";
+            EXPECT_GE(std::min<int64_t>(q * std::min<int64_t>(16, visible), visible), 4 * s) << "splits of < 4 pages";
+          }
+        }
 }
 
 TEST(InferenceDecode, PlanDerivedRows) {

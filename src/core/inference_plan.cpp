@@ -9,6 +9,7 @@
 
 #include "backend_inference.h"
 #include "core/check.h"
+#include "core/decode_splits.h"
 #include "core/dispatch.h"
 #include "msa/inference.h"
 
@@ -79,6 +80,7 @@ void check_page_table(const StepRequests& s) {
   }
 }
 
+// num_kv_splits: decode's split count, 0 = automatic; prefill: 1.
 InferencePlan finish(const Topology& topo, InferencePhase phase, const StepRequests& s, int q_len_per_req,
                      int num_kv_splits, const InferencePlanOptions& options) {
   check_page_table(s);
@@ -89,7 +91,6 @@ InferencePlan finish(const Topology& topo, InferencePhase phase, const StepReque
   plan.batch = s.batch;
   plan.max_pages = s.max_pages;
   plan.q_len_per_req = q_len_per_req;
-  plan.num_kv_splits = num_kv_splits;
   plan.total_q = s.cu_q.back();
 
   std::vector<int32_t> positions(size_t(plan.total_q)), request(size_t(plan.total_q)), slots(size_t(plan.total_q));
@@ -110,6 +111,17 @@ InferencePlan finish(const Topology& topo, InferencePhase phase, const StepReque
 
   if (options.device.is_cuda() && !detail::kWithCuda) detail::no_cuda_backend("inference plan (options.device)");
   const Device dev = options.device;
+  if (num_kv_splits == 0) {  // decode, automatic (src/core/decode_splits.h)
+    // The CPU runs the splits of a (row, KV head) item one after another: a split only adds work.
+    num_kv_splits = 1;
+    if (dev.is_cuda()) {
+      const int64_t ctas = detail::cuda_only("inference plan (options.device)", [&] {
+        return cuda::decode_attention_concurrency(dev.index, q_len_per_req);
+      });
+      num_kv_splits = detail::automatic_kv_splits(detail::decode_split_work(s.seq_lens, q_len_per_req, topo.num_kv_heads, ctas));
+    }
+  }
+  plan.num_kv_splits = num_kv_splits;
   plan.cu_seqlens_q = device_copy(dev, s.cu_q, {s.batch + 1});
   plan.seq_lens = device_copy(dev, s.seq_lens, {s.batch});
   plan.page_table = device_copy(dev, s.page_table, {s.batch, s.max_pages});
@@ -204,16 +216,7 @@ InferencePlan plan_decode(const Topology& topo, const DecodeMetadata& meta, cons
   require(s.batch * Q <= INT32_MAX, concat("batch * q_len_per_req must fit in int32, got ", s.batch * Q));
   s.cu_q.resize(size_t(s.batch) + 1);
   for (int64_t b = 0; b <= s.batch; ++b) s.cu_q[size_t(b)] = int32_t(b * Q);
-  // Automatic split count: enough (request, KV head, split) work items to fill a GPU (the CUDA
-  // kernel's unit of work: one request's Q rows share each page read), at most 16.
-  int chosen = splits;
-  if (chosen == 0) {
-    const int64_t items = s.batch * topo.num_kv_heads;
-    const int64_t want = std::clamp<int64_t>(256 / std::max<int64_t>(items, 1), 1, kTopk);
-    chosen = 1;
-    while (chosen * 2 <= want) chosen *= 2;
-  }
-  return finish(topo, InferencePhase::decode, s, Q, chosen, options);
+  return finish(topo, InferencePhase::decode, s, Q, splits, options);  // 0: chosen from the work there
 }
 
 std::vector<int32_t> document_positions(const PackedLayout& layout) {

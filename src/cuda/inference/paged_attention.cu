@@ -15,9 +15,11 @@
 // global) and the softmax scale multiply the logits, per-token K scales each logit column,
 // per-token V scales the probabilities fed to P V, per-tensor V scales the output. At the end
 // the kw partial states of a row are merged in shared memory; splits > 1 write normalised
-// partial states that merge_states combines by LSE.
+// partial states that merge_states combines by LSE. The plan picks the split count
+// (src/core/decode_splits.h) from the CTAs that run at once (decode_attention_concurrency).
 #include <algorithm>
 #include <cstddef>
+#include <mutex>
 
 #include "attention_state.h"
 #include "backend.h"
@@ -560,8 +562,9 @@ __global__ void __launch_bounds__(NW * 32, 1) paged_attention_kernel(const AttnA
   }
 }
 
+// Lets the kernel take its shared memory (once per process).
 template <int NW, KvFormat F>
-void launch(const AttnArgs& a, dim3 grid, cudaStream_t stream) {
+void configure() {
   constexpr int smem = smem_bytes<NW, F>();
   static_assert(smem <= 227 * 1024, "shared memory of paged_attention_kernel");
   static bool configured = false;
@@ -569,9 +572,31 @@ void launch(const AttnArgs& a, dim3 grid, cudaStream_t stream) {
     MSA_CUDA_CHECK(cudaFuncSetAttribute(paged_attention_kernel<NW, F>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     configured = true;
   }
-  paged_attention_kernel<NW, F><<<grid, NW * 32, smem, stream>>>(a);
+}
+
+template <int NW, KvFormat F>
+void launch(const AttnArgs& a, dim3 grid, cudaStream_t stream) {
+  configure<NW, F>();
+  paged_attention_kernel<NW, F><<<grid, NW * 32, smem_bytes<NW, F>(), stream>>>(a);
   MSA_CUDA_CHECK_LAUNCH("paged_attention_kernel");
 }
+
+template <int NW, KvFormat F>
+int ctas_per_sm() {
+  configure<NW, F>();
+  int n = 0;
+  MSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, paged_attention_kernel<NW, F>, NW * 32, smem_bytes<NW, F>()));
+  return n;
+}
+
+// The fewest CTAs per SM over the formats (the plan does not know the cache's format).
+template <int NW>
+int min_ctas_per_sm() {
+  return std::min({ctas_per_sm<NW, KvFormat::bf16>(), ctas_per_sm<NW, KvFormat::fp8_e4m3>(), ctas_per_sm<NW, KvFormat::nvfp4>()});
+}
+
+// Warps of a CTA of `rows` query rows: one per row and token slice.
+int warps_for_rows(int rows) { return rows > 8 ? 16 : 8; }
 
 template <int NW>
 void launch_format(KvFormat f, const AttnArgs& a, dim3 grid, cudaStream_t stream) {
@@ -633,7 +658,7 @@ void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, c
   a.total_q = T;
   a.hq = topo.num_q_heads;
   a.rows_per_tile = decode ? plan.q_len_per_req : kMaxTileRows;
-  const int nw = a.rows_per_tile > 8 ? 16 : 8;  // warps: one per row and token slice
+  const int nw = warps_for_rows(a.rows_per_tile);
   a.kw = 1;
   while (a.rows_per_tile * a.kw * 2 <= nw) a.kw *= 2;
   a.splits = splits;
@@ -653,6 +678,23 @@ void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, c
     const MergeStatesParams merge = split_merge_params(plan, p);
     cuda::merge_states(merge, opt);
   }
+}
+
+int64_t decode_attention_concurrency(int device, int q_len_per_req) {
+  DeviceGuard guard(device);
+  // Per-SM occupancy depends on the kernel and the architecture only (this build targets one),
+  // so it is computed once per warp count; the SM count is per device.
+  static std::mutex mutex;
+  static int per_sm[2] = {0, 0};  // 8 warps, 16 warps
+  const int nw = warps_for_rows(q_len_per_req);
+  int n = 0;
+  {
+    std::lock_guard<std::mutex> lock(mutex);
+    int& cached = per_sm[nw == 16 ? 1 : 0];
+    if (cached == 0) cached = std::max(1, nw == 16 ? min_ctas_per_sm<16>() : min_ctas_per_sm<8>());
+    n = cached;
+  }
+  return int64_t(sm_count()) * n;
 }
 
 }  // namespace msa::cuda
