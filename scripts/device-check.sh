@@ -3,8 +3,9 @@
 #   1. configures and builds msa with the CUDA backend (Ninja, CMAKE_CUDA_ARCHITECTURES=90a);
 #   2. runs the GPU tests (GoogleTest filter Gpu*);
 #   3. runs compute-sanitizer memcheck on small GPU cases;
-#   4. runs the GPU benchmark (bench/gpu_bench.cpp) at 4k..128k tokens, the decode benchmark
-#      (msa bench --decode), msa demo and the independent run-case check with --backend cuda;
+#   4. runs the training benchmark (msa bench --backend cuda) at 4k..128k tokens, the decode
+#      benchmark (msa bench --decode), msa demo and the independent run-case check with
+#      --backend cuda;
 #   5. with MSA_PYTHON=1: builds the Python package with its CUDA backend, runs the Python
 #      tests (GPU ones included) and bench/peers.py at MSA_PEERS_TOKENS (default 4096,16384).
 # Logs go to OUTDIR; a short summary table is printed last.
@@ -68,14 +69,13 @@ else
   cmake -S "$ROOT" -B "$BUILD" -G Ninja -DCMAKE_BUILD_TYPE=Release -DMSA_ENABLE_CUDA=ON \
     -DCMAKE_CUDA_ARCHITECTURES=90a -DMSA_BUILD_PYTHON=OFF -DCMAKE_PREFIX_PATH="$PREFIXES" >> "$OUT/build.log" 2>&1 ||
     { note "FAIL: configure (see build.log)"; tail -30 "$OUT/build.log"; exit 1; }
-  note "building msa_tests, msa_gpu_bench and msa with $JOBS jobs"
-  ninja -C "$BUILD" -j "$JOBS" msa_tests msa_gpu_bench msa_tool >> "$OUT/build.log" 2>&1 ||
+  note "building msa_tests and msa with $JOBS jobs"
+  ninja -C "$BUILD" -j "$JOBS" msa_tests msa_tool >> "$OUT/build.log" 2>&1 ||
     { note "FAIL: build (see build.log)"; grep -E "error|FAILED" "$OUT/build.log" | head -30; exit 1; }
   BIN=$BUILD
   note "built"
 fi
 TESTS="$BIN/tests/msa_tests"
-BENCH="$BIN/src/cuda/msa_gpu_bench"
 TOOL="$BIN/tools/msa/msa"
 
 # GPU tests (from the repository root, where tests/data lives).
@@ -97,9 +97,9 @@ if [ "${MSA_SANITIZE:-1}" != "0" ] && command -v compute-sanitizer > /dev/null; 
   note "compute-sanitizer memcheck: rc $? ($(grep -m1 "ERROR SUMMARY" "$OUT/memcheck.log"))"
 fi
 
-# Benchmark.
+# Training benchmark: the table of bench.log from its "tokens" header on is printed at the end.
 if [ "$TOKENS" != "none" ]; then
-  timeout 300 "$BENCH" --tokens "$TOKENS" --reps "$REPS" --out "$OUT/bench.csv" > "$OUT/bench.log" 2>&1
+  timeout 300 "$TOOL" bench --backend cuda --tokens "$TOKENS" --reps "$REPS" --out "$OUT/bench.csv" > "$OUT/bench.log" 2>&1
   note "benchmark: rc $?"
 fi
 if [ "${MSA_DECODE_BENCH:-1}" != "0" ]; then

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Nsight Compute summary of one kernel of the GPU benchmark on the GPU machine.
+# Nsight Compute summary of one kernel of the training benchmark (msa bench) on the GPU machine.
 # usage: scripts/profile-kernel.sh OUTDIR KERNEL_REGEX [TOKENS]
 # Builds like scripts/device-check.sh (same build directory), then profiles the first launch
 # of the matching kernel (clocks left alone) with the throughput, stall and source sections.
@@ -15,7 +15,7 @@ MSA_TEST_FILTER='GpuRuntime.DeviceCountAndRoundTrip' MSA_SANITIZE=0 MSA_BENCH_TO
 ncu --clock-control none --kernel-name "regex:$KERNEL" --launch-count 1 --import-source yes \
   --section SpeedOfLight --section WarpStateStats --section Occupancy --section MemoryWorkloadAnalysis \
   --section SourceCounters --section LaunchStats --section InstructionStats -o "$OUT/profile" -f \
-  "$BUILD/src/cuda/msa_gpu_bench" --tokens "$TOKENS" --reps 1 > "$OUT/ncu_run.txt" 2>&1
+  "$BUILD/tools/msa/msa" bench --backend cuda --tokens "$TOKENS" --reps 1 > "$OUT/ncu_run.txt" 2>&1
 echo "ncu rc $?"
 ncu -i "$OUT/profile.ncu-rep" --page details --print-details all > "$OUT/ncu.txt" 2>&1
 ncu -i "$OUT/profile.ncu-rep" --page source --csv --print-source sass > "$OUT/sass.csv" 2>&1

@@ -87,6 +87,14 @@ usage_errors)
   expect 2 "msa bench: error: .*--sizes.*'12x'" "$msa" bench --sizes 12x
   expect 2 "msa bench: error: .*--selection" "$msa" bench --selection some
   expect 2 "msa bench: error: .*no/such/dir" "$msa" bench --json no/such/dir/b.json --sizes 128
+  expect 2 "msa bench: error: .*--tokens.*'12x'" "$msa" bench --tokens 12x
+  expect 2 "msa bench: error: .*--tokens.*--sizes" "$msa" bench --tokens 128 --sizes 128
+  expect 2 "msa bench: error: --reps: .*0" "$msa" bench --reps 0 --tokens 128
+  expect 2 "msa bench: error: --repeats: .*0" "$msa" bench --repeats 0 --tokens 128
+  expect 2 "msa bench: error: --out: .*no/such/dir" "$msa" bench --out no/such/dir/b.csv --tokens 128
+  expect 2 "msa bench: error: --csv: .*no/such/dir" "$msa" bench --csv no/such/dir/b.csv --tokens 128
+  expect 2 "msa bench: error: .*--decode.*CSV" "$msa" bench --decode --csv b.csv
+  [[ ! -e b.csv ]] || fail "a refused bench wrote its CSV"
   expect 2 "msa inspect: error: .*absent.safetensors: no such file" "$msa" inspect absent.safetensors
   if "$msa" --version | grep -q '(CPU backend)'; then
     expect 2 "msa demo: error: .*without the CUDA backend" "$msa" demo --backend cuda
@@ -289,6 +297,39 @@ bench_small)
   awk -v i="$independent" -v c="$coherent" 'BEGIN { exit !(i > 20 && c < 0.8 * i) }' ||
     fail "union of 8: independent $independent, coherent $coherent"
   echo "union of 8: independent $independent, coherent $coherent"
+  ;;
+
+bench_files)
+  # The table, CSV and JSON at a tiny size: the columns of the training benchmark, GPU-only ones
+  # marked on the CPU ('-' in the table, empty in the CSV, absent from the JSON).
+  expect 0 '' "$msa" bench --backend cpu --tokens 256 --tp 4 --reps 1 --selection both --out bench.csv --json bench.json
+  header='^ *tokens +selection +union8 +index ms +index TF +plan ms +\+alloc +fwd ms +fwd TF +bwd ms +bwd TF +bwd det +kl ms +kl TF +GiB +buffers$'
+  grep -qE "$header" stdout.txt || fail "the table header is not /$header/"
+  [[ $(sed -n '/^ *tokens/,$p' stdout.txt | grep -cE '^ *256 +(independent|coherent) ') == 2 ]] || fail "the table lacks its two rows"
+  grep -qE '^ *256 +independent +[0-9.]+ +[0-9.]+ +[0-9.e-]+ +[0-9.]+ +- +[0-9.]+ ' stdout.txt || fail "row cells ('-' for +alloc on the CPU)"
+  grep -q '^wrote bench.csv$' stdout.txt && grep -q '^wrote bench.json$' stdout.txt || fail "no 'wrote' lines"
+  csv_header='tokens,selection,union8,indexer_ms,plan_ms,forward_ms,backward_ms,backward_det_ms,kl_ms,forward_tflops,backward_tflops,indexer_tflops,kl_tflops,peak_gib,plan_alloc_ms,buffer_bytes'
+  [[ $(head -1 bench.csv) == "$csv_header" ]] || fail "CSV header: $(head -1 bench.csv)"
+  [[ $(wc -l <bench.csv) == 3 ]] || fail "CSV: $(wc -l <bench.csv) lines, expected a header and 2 rows"
+  awk -F, 'NR > 1 {
+      if (NF != 16 || $1 != 256 || ($2 != "independent" && $2 != "coherent")) exit 1
+      for (i = 3; i <= 16; ++i) {
+        gpu_only = (i == 8 || i == 14 || i == 15)  # backward_det_ms, peak_gib, plan_alloc_ms
+        if (gpu_only ? $i != "" : $i !~ /^[0-9.]+(e-?[0-9]+)?$/ || $i + 0 <= 0) exit 1
+      }
+    }' bench.csv || { cat bench.csv; fail "CSV rows"; }
+  for key in msa_version device heads repeats timing flop_convention results tokens selection mean_union_of_8 \
+             indexer plan forward backward kl buffer_bytes ms useful_flops tflops_per_s; do
+    grep -q "\"$key\":" bench.json || fail "bench.json lacks \"$key\""
+  done
+  [[ $(grep -c '"kl": {' bench.json) == 2 && $(grep -c '"useful_flops"' bench.json) == 8 ]] ||
+    fail "bench.json: FLOPs for indexer, forward, backward and KL of both rows"
+  for key in plan_alloc backward_deterministic device_bytes_in_use device_name; do
+    grep -q "\"$key\":" bench.json && fail "bench.json has the GPU-only \"$key\" on the CPU"
+  done
+  ls | grep -q '\.tmp$' && fail "a temporary file was left behind"
+  # --sizes and --repeats still work, and so does a run without files.
+  expect 0 '^ *256 +coherent ' "$msa" bench --backend cpu --sizes 256 --tp 4 --repeats 1 --selection coherent
   ;;
 
 *)

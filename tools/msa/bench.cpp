@@ -1,5 +1,7 @@
 #include "bench.h"
 
+#include <algorithm>
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -11,6 +13,7 @@
 #include "case_io.h"
 #include "msa/msa.h"
 #include "step_buffers.h"
+#include "step_timer.h"
 #include "table.h"
 #include "workload.h"
 
@@ -26,24 +29,28 @@ void progress(const std::string& line) { std::cerr << "[msa bench] " << line << 
 constexpr double kCoherentTokens = 256;
 
 struct StepTiming {
-  double seconds = 0;  // median
-  double flops = 0;    // useful FLOPs, 0 when no convention applies
+  double seconds = -1;  // median; < 0: not measured on this backend
+  double flops = 0;     // useful FLOPs, 0 when no convention applies
+  bool measured() const { return seconds >= 0; }
+  double tflops() const { return seconds > 0 && flops > 0 ? flops / seconds / 1e12 : 0.0; }
 };
 
 struct BenchRow {
   int64_t tokens = 0;
   Selection selection = Selection::independent;
   double union8 = 0;
-  StepTiming indexer, plan, forward, backward, kl;
+  StepTiming indexer, plan, plan_alloc, forward, backward, backward_det, kl;
   int64_t buffer_bytes = 0;
+  int64_t device_bytes = -1;  // device memory in use after the last step; -1 on the CPU
 };
 
 BenchRow bench_one(const Topology& topo, Device dev, int64_t tokens, Selection selection, int repeats, const RunOptions& run,
-                   uint64_t seed) {
+                   uint64_t seed, StepTimer& timer) {
   const PackedLayout layout = layout_of_documents({tokens});
   const int64_t T = tokens;
   const int Hq = topo.num_q_heads, Hkv = topo.num_kv_heads, Hi = topo.num_index_heads, D = topo.head_dim,
             Di = topo.index_head_dim;
+  const bool gpu = dev.is_cuda();
   DeviceArena arena(dev);
 
   // Inputs: main tensors i.i.d.; index vectors by the chosen distribution.
@@ -68,55 +75,75 @@ BenchRow bench_one(const Topology& topo, Device dev, int64_t tokens, Selection s
     buf.index_k = arena.upload(ik.view());
   }
   buf.allocate_outputs(arena, topo, T, T);
-
-  // One workspace for every plan of the run, as a training loop keeps one: the plan time is
-  // then the plan's own work, not a fresh allocation of its scratch (CUDA only).
-  const int64_t workspace_bytes = plan_workspace_bytes(topo, layout, dev);
-  const Buffer workspace = workspace_bytes > 0 ? Buffer(dev, DType::u8, {workspace_bytes}, run.stream) : Buffer();
-  PlanOptions plan_options;
-  if (workspace_bytes > 0) plan_options.workspace = workspace.view();
-  SparsePlan plan;
-  auto indexer = [&] { select_blocks(topo, layout, buf.select_blocks_params(), run); };
-  auto make_plan = [&] { plan = build_plan(topo, layout, buf.topk.view(), plan_options, run); };
-  auto forward = [&] { sparse_attention_forward(topo, layout, plan, buf.forward_params(), run); };
-  auto backward = [&] { sparse_attention_backward(topo, layout, plan, buf.backward_params(), run); };
-  auto kl = [&] { kl_backward(topo, layout, plan, buf.kl_params(), run); };
-
-  const std::string label = std::to_string(T) + " tokens, " + to_string(selection) + " selection";
-  // One line before every step: on the CPU a single backward of a long document takes many
-  // seconds, and a bench that prints nothing for that long looks hung.
-  const char* names[5] = {"select_blocks", "build_plan", "forward", "backward", "kl_backward"};
-  const std::function<void()> steps[5] = {indexer, make_plan, forward, backward, kl};
-  auto step_line = [&](const std::string& phase, int i) {
-    if (!dev.is_cuda() || i == 0) progress(label + ": " + phase + (dev.is_cuda() ? "" : std::string(": ") + names[i]));
-  };
-  for (int i = 0; i < 5; ++i) {
-    step_line("warm-up", i);
-    steps[i]();
-  }
+  // The uploads went through the legacy stream, which the timer's non-blocking stream does
+  // not wait for.
   synchronize(dev);
 
-  std::vector<double> times[5];
-  for (int r = 0; r < repeats; ++r) {
-    const std::string phase = "run " + std::to_string(r + 1) + "/" + std::to_string(repeats);
-    for (int i = 0; i < 5; ++i) {
-      step_line(phase, i);
-      times[i].push_back(time_once(dev, steps[i]));
-    }
-  }
-  const std::vector<double>&t_indexer = times[0], &t_plan = times[1], &t_forward = times[2], &t_backward = times[3],
-                           &t_kl = times[4];
+  // One workspace for every plan of the row, as a training loop keeps one (CUDA only): the
+  // plan time is then the plan's own work; "+alloc" times plans that allocate their own.
+  const int64_t workspace_bytes = plan_workspace_bytes(topo, layout, dev);
+  const Buffer workspace = workspace_bytes > 0 ? Buffer(dev, DType::u8, {workspace_bytes}, run.stream) : Buffer();
+  PlanOptions given;
+  if (workspace_bytes > 0) given.workspace = workspace.view();
 
-  const std::vector<int32_t> ids = to_host_ints(buf.topk.view());
+  const std::string label = std::to_string(T) + " tokens, " + to_string(selection) + " selection";
+  if (gpu) progress(label);
+  // On the CPU one line before every call: a single backward of a long document takes many
+  // seconds, and a bench that prints nothing for that long looks hung.
+  auto before = [&](const std::string& step) -> std::function<void(const std::string&)> {
+    if (gpu) return {};
+    return [&label, step](const std::string& phase) { progress(label + ": " + phase + ": " + step); };
+  };
+  const int warmup = gpu ? 2 : 1;
+
   BenchRow row;
   row.tokens = T;
   row.selection = selection;
+  row.indexer.seconds = timer.median_seconds(
+      warmup, repeats, [&] { select_blocks(topo, layout, buf.select_blocks_params(), run); }, before("select_blocks"));
+
+  // Plans: host clock from the call to the end of its device work (allocations included);
+  // each plan is freed after its timed window. One warm-up build, then up to 5.
+  auto time_plans = [&](const PlanOptions& options, const std::string& step) {
+    const int builds = std::min(repeats, 5);
+    const auto note = before(step);
+    std::vector<double> times;
+    for (int i = 0; i <= builds; ++i) {
+      if (note) note(i == 0 ? "warm-up" : "run " + std::to_string(i) + "/" + std::to_string(builds));
+      SparsePlan p;
+      const double s = timer.host_seconds([&] { p = build_plan(topo, layout, buf.topk.view(), options, run); });
+      if (i > 0) times.push_back(s);
+    }
+    return median(times);
+  };
+  row.plan.seconds = time_plans(given, "build_plan");
+  if (workspace_bytes > 0) row.plan_alloc.seconds = time_plans(PlanOptions{}, "build_plan, own workspace");
+  SparsePlan plan = build_plan(topo, layout, buf.topk.view(), given, run);
+  timer.sync();
+
+  row.forward.seconds = timer.median_seconds(
+      warmup, repeats, [&] { sparse_attention_forward(topo, layout, plan, buf.forward_params(), run); }, before("forward"));
+  row.backward.seconds = timer.median_seconds(
+      warmup, repeats, [&] { sparse_attention_backward(topo, layout, plan, buf.backward_params(), run); }, before("backward"));
+  // The CPU backend is always deterministic: the flag changes only the CUDA backward.
+  if (gpu) {
+    RunOptions det = run;
+    det.deterministic = true;
+    row.backward_det.seconds = timer.median_seconds(
+        1, std::max(3, repeats / 3), [&] { sparse_attention_backward(topo, layout, plan, buf.backward_params(), det); });
+  }
+  row.kl.seconds = timer.median_seconds(
+      warmup, repeats, [&] { kl_backward(topo, layout, plan, buf.kl_params(), run); }, before("kl_backward"));
+  timer.sync();
+  row.device_bytes = device_memory_in_use(dev);
+
+  const std::vector<int32_t> ids = to_host_ints(buf.topk.view());
   row.union8 = mean_union_of_8(topo, layout, ids.data());
-  row.indexer = {median(t_indexer), indexer_flops(topo, layout)};
-  row.plan = {median(t_plan), 0};
-  row.forward = {median(t_forward), forward_flops(topo, layout, ids.data())};
-  row.backward = {median(t_backward), 2.5 * row.forward.flops};
-  row.kl = {median(t_kl), 0};
+  row.indexer.flops = indexer_flops(topo, layout);
+  row.forward.flops = forward_flops(topo, layout, ids.data());
+  row.backward.flops = 2.5 * row.forward.flops;
+  row.backward_det.flops = row.backward.flops;
+  row.kl.flops = kl_flops(topo, layout, ids.data());
   row.buffer_bytes = arena.bytes_allocated() + workspace_bytes;
   for (const Buffer* b : {&plan.rows, &plan.row_ptr, &plan.q_indices, &plan.split_slot, &plan.split_counts, &plan.schedule,
                           &plan.work_count_dev})
@@ -124,27 +151,123 @@ BenchRow bench_one(const Topology& topo, Device dev, int64_t tokens, Selection s
   return row;
 }
 
-std::string cell(const StepTiming& s) {
-  if (s.flops <= 0) return format_time(s.seconds);
-  return format_time(s.seconds) + " (" + format_rate(s.flops, s.seconds) + ")";
+std::string fixed(double value, int decimals) {
+  char text[48];
+  std::snprintf(text, sizeof text, "%.*f", decimals, value);
+  return text;
+}
+
+// Table cells; '-' for what this backend does not measure.
+std::string ms_cell(const StepTiming& s) { return s.measured() ? fixed(s.seconds * 1e3, 3) : "-"; }
+std::string tf_cell(const StepTiming& s) {
+  if (!s.measured() || s.tflops() <= 0) return "-";
+  if (s.tflops() >= 1) return fixed(s.tflops(), 1);
+  char text[48];  // three significant digits for the CPU's small rates
+  std::snprintf(text, sizeof text, "%#.3g", s.tflops());
+  return text;
+}
+std::string gib_cell(int64_t bytes) { return bytes >= 0 ? fixed(double(bytes) / double(1ull << 30), 1) : "-"; }
+
+// The row as one line, printed as soon as it is measured (a run cut short keeps its rows).
+std::string row_line(const BenchRow& r) {
+  std::ostringstream s;
+  s << r.tokens << " tokens, " << to_string(r.selection) << " selection: union8 " << fixed(r.union8, 1) << " | indexer "
+    << ms_cell(r.indexer) << " ms " << tf_cell(r.indexer) << " TF/s | plan " << ms_cell(r.plan) << " ms (+alloc "
+    << ms_cell(r.plan_alloc) << ") | fwd " << ms_cell(r.forward) << " ms " << tf_cell(r.forward) << " TF/s | bwd "
+    << ms_cell(r.backward) << " ms " << tf_cell(r.backward) << " TF/s (det " << ms_cell(r.backward_det) << ") | kl "
+    << ms_cell(r.kl) << " ms " << tf_cell(r.kl) << " TF/s | mem " << gib_cell(r.device_bytes) << " GiB";
+  return s.str();
+}
+
+// CSV fields; empty for what this backend does not measure.
+std::string csv_ms(const StepTiming& s) { return s.measured() ? fixed(s.seconds * 1e3, 4) : ""; }
+std::string csv_tf(const StepTiming& s) {
+  if (!s.measured() || s.tflops() <= 0) return "";
+  char text[48];
+  std::snprintf(text, sizeof text, "%.6g", s.tflops());
+  return text;
+}
+
+// The columns of the earlier GPU benchmark's CSV, in its order, then buffer_bytes.
+std::string csv_text(const std::vector<BenchRow>& rows) {
+  std::string text =
+      "tokens,selection,union8,indexer_ms,plan_ms,forward_ms,backward_ms,backward_det_ms,kl_ms,forward_tflops,"
+      "backward_tflops,indexer_tflops,kl_tflops,peak_gib,plan_alloc_ms,buffer_bytes\n";
+  for (const BenchRow& r : rows) {
+    const std::vector<std::string> fields = {
+        std::to_string(r.tokens), to_string(r.selection), fixed(r.union8, 2), csv_ms(r.indexer), csv_ms(r.plan),
+        csv_ms(r.forward), csv_ms(r.backward), csv_ms(r.backward_det), csv_ms(r.kl), csv_tf(r.forward),
+        csv_tf(r.backward), csv_tf(r.indexer), csv_tf(r.kl),
+        r.device_bytes >= 0 ? fixed(double(r.device_bytes) / double(1ull << 30), 2) : "", csv_ms(r.plan_alloc),
+        std::to_string(r.buffer_bytes)};
+    for (size_t i = 0; i < fields.size(); ++i) text += (i ? "," : "") + fields[i];
+    text += '\n';
+  }
+  return text;
 }
 
 nlohmann::json step_json(const StepTiming& s) {
   nlohmann::json j = {{"ms", s.seconds * 1e3}};
   if (s.flops > 0) {
     j["useful_flops"] = s.flops;
-    j["tflops_per_s"] = s.seconds > 0 ? s.flops / s.seconds / 1e12 : 0.0;
+    j["tflops_per_s"] = s.tflops();
   }
   return j;
+}
+
+const char* kFlopConvention =
+    "forward = 4*Hq*128*attended pairs; backward = 2.5*forward; indexer = 2*128*Hi*causal pairs; "
+    "kl = (2*Hq + 6*Hi)*128*attended pairs";
+
+std::string json_text(const std::vector<BenchRow>& rows, Device dev, const Topology& topo, int repeats) {
+  nlohmann::json j = {{"msa_version", kVersion},
+                      {"device", to_string(dev)},
+                      {"heads", {{"q", topo.num_q_heads}, {"kv", topo.num_kv_heads}, {"index", topo.num_index_heads}}},
+                      {"repeats", repeats},
+                      {"timing", dev.is_cuda() ? "CUDA events on one stream; plan: host clock to the end of its device work"
+                                               : "wall clock"},
+                      {"flop_convention", kFlopConvention},
+                      {"results", nlohmann::json::array()}};
+  if (dev.is_cuda()) j["device_name"] = device_description(dev);
+  for (const BenchRow& r : rows) {
+    nlohmann::json row = {{"tokens", r.tokens},
+                          {"selection", to_string(r.selection)},
+                          {"mean_union_of_8", r.union8},
+                          {"indexer", step_json(r.indexer)},
+                          {"plan", step_json(r.plan)},
+                          {"forward", step_json(r.forward)},
+                          {"backward", step_json(r.backward)},
+                          {"kl", step_json(r.kl)},
+                          {"buffer_bytes", r.buffer_bytes}};
+    if (r.plan_alloc.measured()) row["plan_alloc"] = step_json(r.plan_alloc);
+    if (r.backward_det.measured()) row["backward_deterministic"] = step_json(r.backward_det);
+    if (r.device_bytes >= 0) row["device_bytes_in_use"] = r.device_bytes;
+    j["results"].push_back(row);
+  }
+  return j.dump(2) + '\n';
+}
+
+// Through a temporary file, so that a reader never sees half a file.
+void write_file(const std::string& path, const std::string& text) {
+  const std::string temp = path + ".tmp";
+  {
+    std::ofstream f(temp);
+    f << text;
+    if (!f) invalid(path + ": cannot write the file");
+  }
+  std::filesystem::rename(temp, path);
 }
 
 }  // namespace
 
 int run_bench(const BenchOptions& o) {
-  if (o.decode) return run_bench_decode(o);
+  if (o.decode) {
+    if (!o.csv_path.empty()) invalid("--csv / --out: the decode bench (--decode) writes no CSV");
+    return run_bench_decode(o);
+  }
   const Device dev = resolve_backend(o.backend);
   std::vector<int64_t> sizes;
-  if (!o.sizes.empty()) sizes = parse_size_list(o.sizes, "--sizes");
+  if (!o.sizes.empty()) sizes = parse_size_list(o.sizes, o.sizes_option);
   else if (dev.is_cuda()) sizes = {4096, 8192, 16384, 32768, 65536, 131072};
   else sizes = {4096, 8192};
   std::vector<Selection> selections;
@@ -152,64 +275,56 @@ int run_bench(const BenchOptions& o) {
   if (o.selection == "coherent" || o.selection == "both") selections.push_back(Selection::coherent);
   if (selections.empty()) invalid("--selection must be independent, coherent or both, got '" + o.selection + "'");
   const int repeats = o.repeats > 0 ? o.repeats : (dev.is_cuda() ? 10 : 3);
-  if (!o.json_path.empty()) {
-    const auto parent = std::filesystem::absolute(o.json_path).parent_path();
-    if (!std::filesystem::is_directory(parent))
-      invalid("--json " + o.json_path + ": the folder " + parent.string() + " does not exist");
-  }
 
   if (o.tp != 1 && o.tp != 2 && o.tp != 4) invalid("--tp must be 1, 2 or 4, got " + std::to_string(o.tp));
   const Topology topo = Topology::minimax_m3(o.tp);
+  StepTimer timer(dev);
   RunOptions run;
   run.num_threads = o.threads;
-  std::cout << "msa " << kVersion << " bench on " << to_string(dev) << ": one document per size, " << topo.num_q_heads
-            << " query / " << topo.num_kv_heads << " kv / " << topo.num_index_heads << " index heads, head dim "
-            << topo.head_dim << ", top-" << topo.topk << " blocks of " << topo.block_size << "; median of " << repeats
-            << " runs after a warm-up\n\n";
+  run.stream = timer.stream();
+  std::cout << "msa " << kVersion << " bench on " << to_string(dev);
+  if (dev.is_cuda()) std::cout << " (" << device_description(dev) << ")";
+  std::cout << ": one document per size, " << topo.num_q_heads << " query / " << topo.num_kv_heads << " kv / "
+            << topo.num_index_heads << " index heads, head dim " << topo.head_dim << ", top-" << topo.topk
+            << " blocks of " << topo.block_size << "; median of " << repeats << " runs after warm-up\n\n";
 
   std::vector<BenchRow> rows;
   for (int64_t n : sizes)
-    for (Selection s : selections) rows.push_back(bench_one(topo, dev, n, s, repeats, run, o.seed));
-
-  Table table({"tokens", "selection", "union of 8", "indexer", "plan", "forward", "backward", "KL", "buffers"});
-  for (const BenchRow& r : rows) {
-    char u[16];
-    std::snprintf(u, sizeof u, "%.1f", r.union8);
-    table.add_row({std::to_string(r.tokens), to_string(r.selection), u, cell(r.indexer), cell(r.plan), cell(r.forward),
-                   cell(r.backward), cell(r.kl), format_bytes(double(r.buffer_bytes))});
-  }
-  table.print(std::cout);
-  std::cout << "\nRates are on useful FLOPs: forward = 4 * Hq * 128 * attended (query, key) pairs, backward = 2.5 x forward,"
-               " indexer = 2 * 128 * Hi * causal pairs. 'union of 8': mean number of distinct blocks selected by 8"
-               " consecutive tokens of one index head (windows past the first 16 blocks). 'buffers': inputs, outputs, the plan and its workspace (one for all plans of a size; the plan time excludes allocating it).\n";
-
-  if (!o.json_path.empty()) {
-    nlohmann::json j = {{"msa_version", kVersion},
-                        {"device", to_string(dev)},
-                        {"heads", {{"q", topo.num_q_heads}, {"kv", topo.num_kv_heads}, {"index", topo.num_index_heads}}},
-                        {"repeats", repeats},
-                        {"flop_convention",
-                         "forward = 4*Hq*128*attended pairs; backward = 2.5*forward; indexer = 2*128*Hi*causal pairs"},
-                        {"results", nlohmann::json::array()}};
-    for (const BenchRow& r : rows)
-      j["results"].push_back({{"tokens", r.tokens},
-                              {"selection", to_string(r.selection)},
-                              {"mean_union_of_8", r.union8},
-                              {"indexer", step_json(r.indexer)},
-                              {"plan", step_json(r.plan)},
-                              {"forward", step_json(r.forward)},
-                              {"backward", step_json(r.backward)},
-                              {"kl", step_json(r.kl)},
-                              {"buffer_bytes", r.buffer_bytes}});
-    const std::string temp = o.json_path + ".tmp";
-    {
-      std::ofstream f(temp);
-      f << j.dump(2) << '\n';
-      if (!f) invalid("--json " + o.json_path + ": cannot write the file");
+    for (Selection s : selections) {
+      rows.push_back(bench_one(topo, dev, n, s, repeats, run, o.seed, timer));
+      progress(row_line(rows.back()));
+      if (!o.csv_path.empty()) write_file(o.csv_path, csv_text(rows));
+      if (!o.json_path.empty()) write_file(o.json_path, json_text(rows, dev, topo, repeats));
     }
-    std::filesystem::rename(temp, o.json_path);
-    std::cout << "wrote " << o.json_path << "\n";
-  }
+
+  // The columns (and their names) of the earlier GPU benchmark's table, plus the indexer and
+  // KL rates and the tool's own buffers.
+  Table table({"tokens", "selection", "union8", "index ms", "index TF", "plan ms", "+alloc", "fwd ms", "fwd TF", "bwd ms",
+               "bwd TF", "bwd det", "kl ms", "kl TF", "GiB", "buffers"});
+  table.align_right({true, false, true, true, true, true, true, true, true, true, true, true, true, true, true, true});
+  for (const BenchRow& r : rows)
+    table.add_row({std::to_string(r.tokens), to_string(r.selection), fixed(r.union8, 1), ms_cell(r.indexer),
+                   tf_cell(r.indexer), ms_cell(r.plan), ms_cell(r.plan_alloc), ms_cell(r.forward), tf_cell(r.forward),
+                   ms_cell(r.backward), tf_cell(r.backward), ms_cell(r.backward_det), ms_cell(r.kl), tf_cell(r.kl),
+                   gib_cell(r.device_bytes), format_bytes(double(r.buffer_bytes))});
+  table.print(std::cout);
+  const bool gpu = dev.is_cuda();
+  std::cout << "\nTimes in ms, medians; "
+            << (gpu ? "CUDA-event times on one stream (plan: host clock from the call to the end of its device work, "
+                      "allocations included)"
+                    : "wall clock")
+            << ". TF: TFLOP/s on useful FLOPs: forward = 4 * Hq * 128 * attended (query, key) pairs, backward = 2.5 x "
+               "forward, indexer = 2 * 128 * Hi * causal pairs, KL = (2 * Hq + 6 * Hi) * 128 * attended pairs. "
+               "'union8': mean number of distinct blocks selected by 8 consecutive tokens of one index head (windows "
+               "past the first 16 blocks). "
+            << (gpu ? "'plan': one workspace given to every plan of a size; '+alloc': the plan allocating its own. "
+                      "'bwd det': RunOptions::deterministic. 'GiB': device memory in use after the KL step (every buffer "
+                      "of the row and its plan alive; CUDA context included). "
+                    : "'+alloc', 'bwd det', 'GiB': GPU only (the CPU backend is always deterministic and its plan takes "
+                      "no workspace). ")
+            << "'buffers': inputs, outputs, the plan" << (gpu ? " and its workspace" : "") << ".\n";
+  if (!o.csv_path.empty()) std::cout << "wrote " << o.csv_path << "\n";
+  if (!o.json_path.empty()) std::cout << "wrote " << o.json_path << "\n";
   return 0;
 }
 

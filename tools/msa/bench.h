@@ -1,6 +1,7 @@
-// `msa bench`: times indexer, plan, forward, backward and KL on the standard shapes of the
-// architecture's measurement section (one document of 4k..128k tokens, MiniMax-M3 heads)
-// for both selection distributions.
+// `msa bench`: the training benchmark. Times indexer, plan (with a given workspace and
+// allocating its own), forward, backward (also deterministic) and KL on the standard shapes
+// of the architecture's measurement section (one document of 4k..128k tokens, MiniMax-M3
+// heads) for both selection distributions; a table on stdout, CSV and JSON on request.
 #pragma once
 
 #include <cstdint>
@@ -11,12 +12,14 @@ namespace msa::tool {
 struct BenchOptions {
   std::string backend = "auto";
   std::string sizes;              // "4096,8192"; empty: 4k, 8k on the CPU, 4k..128k on a GPU
+  std::string sizes_option = "--tokens";  // the option that gave `sizes`, for messages
   std::string selection = "both";  // independent | coherent | both
-  int repeats = 0;                // timed runs per step after one warm-up; 0: 3 on the CPU, 10 on a GPU
+  int repeats = 0;                // timed runs per step after warm-up; 0: 3 on the CPU (decode 2), 10 on a GPU
   int threads = 0;
   int tp = 1;                     // MiniMax-M3 tensor-parallel shard: Hq = 64 / tp, Hkv = Hi = 4 / tp
   uint64_t seed = 1;
   std::string json_path;          // also write the table as JSON here
+  std::string csv_path;           // and as CSV here
   bool decode = false;            // time decode steps (bench_decode.cpp) instead of training steps
 };
 

@@ -5,6 +5,7 @@
 // itself failed (e.g. a CUDA error); 2 bad usage or bad input (arguments, files, tensors).
 #include <CLI/CLI.hpp>
 
+#include <filesystem>
 #include <iostream>
 #include <string>
 
@@ -21,6 +22,15 @@ namespace {
 
 constexpr int kExitFailed = 1;
 constexpr int kExitUsage = 2;
+
+// A file the run writes (after its first row): its folder must exist before the run starts.
+const CLI::Validator output_file(
+    [](std::string& path) -> std::string {
+      if (path.empty()) return "the file name is empty";
+      const auto folder = std::filesystem::absolute(path).parent_path();
+      return std::filesystem::is_directory(folder) ? "" : "the folder " + folder.string() + " does not exist";
+    },
+    "FILE");
 
 std::string version_text() {
   return std::string("msa ") + msa::kVersion + (msa::built_with_cuda() ? " (CPU + CUDA backends)" : " (CPU backend)");
@@ -85,19 +95,27 @@ int main(int argc, char** argv) {
   // ---- bench ----
   BenchOptions bench;
   CLI::App* bench_cmd = app.add_subcommand(
-      "bench", "Time indexer, plan, forward, backward and KL on one document per size (MiniMax-M3 heads) for independent "
-               "and coherent selections; median of repeats after a warm-up.");
+      "bench", "The training benchmark: times indexer, plan (with a given workspace and allocating its own), forward, "
+               "backward (also deterministic) and KL on one document per size (MiniMax-M3 heads) for independent and "
+               "coherent selections; median of repeats after warm-up (CUDA events on a GPU). A table on stdout; "
+               "--csv / --json also write the rows to files.");
   bench_cmd->add_flag("--decode", bench.decode, "Time decode steps (paged indexer + attention, batch 8/32/128 x context 4k/32k/128k) instead");
-  bench_cmd->add_option("--json", bench.json_path, "Also write the results as JSON to this file");
+  bench_cmd->add_option("--json", bench.json_path, "Also write the results as JSON to this file")->check(output_file);
+  CLI::Option* csv_opt =
+      bench_cmd->add_option("--csv", bench.csv_path, "Also write the results as CSV to this file")->check(output_file);
+  bench_cmd->add_option("--out", bench.csv_path, "Same as --csv")->check(output_file)->excludes(csv_opt);
   bench_cmd->add_option("--backend", bench.backend, "auto, cpu or cuda")
       ->check(CLI::IsMember({"auto", "cpu", "cuda"}))
       ->capture_default_str();
-  bench_cmd->add_option("--sizes", bench.sizes, "Tokens per document, e.g. 4096,8192,16k (default: 4k,8k on the CPU; 4k..128k on a GPU)");
+  CLI::Option* tokens_opt = bench_cmd->add_option(
+      "--tokens", bench.sizes, "Tokens per document, e.g. 4096,16384,16k (default: 4k,8k on the CPU; 4k..128k on a GPU)");
+  CLI::Option* sizes_opt = bench_cmd->add_option("--sizes", bench.sizes, "Same as --tokens")->excludes(tokens_opt);
   bench_cmd->add_option("--selection", bench.selection, "independent, coherent or both")
       ->check(CLI::IsMember({"independent", "coherent", "both"}))
       ->capture_default_str();
-  bench_cmd->add_option("--repeats", bench.repeats, "Timed runs per step (default 3 on the CPU, 10 on a GPU)")
+  CLI::Option* repeats_opt = bench_cmd->add_option("--repeats", bench.repeats, "Timed runs per step (default 3 on the CPU, 10 on a GPU)")
       ->check(CLI::Range(1, 100000));
+  bench_cmd->add_option("--reps", bench.repeats, "Same as --repeats")->check(CLI::Range(1, 100000))->excludes(repeats_opt);
   bench_cmd->add_option("--threads", bench.threads, "CPU threads (0 = all)")->check(CLI::Range(0, 4096));
   bench_cmd->add_option("--tp", bench.tp, "Tensor-parallel shard of MiniMax-M3: 1 (64/4 heads), 2 (32/2) or 4 (16/1)")
       ->check(CLI::IsMember({1, 2, 4}))
@@ -184,7 +202,10 @@ int main(int argc, char** argv) {
       case_options.device = resolve_backend(case_backend);
       return run_case(case_in, case_out, case_options);
     }
-    if (*bench_cmd) return run_bench(bench);
+    if (*bench_cmd) {
+      if (sizes_opt->count() > 0) bench.sizes_option = "--sizes";
+      return run_bench(bench);
+    }
     if (*make_cmd) return run_make_case(make);
     if (*inspect_cmd) return run_inspect(inspect_path);
     if (*compare_cmd) return run_compare(compare);

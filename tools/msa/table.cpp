@@ -15,8 +15,9 @@ void Table::print(std::ostream& os) const {
     std::string text;
     for (size_t i = 0; i < width.size(); ++i) {
       const std::string cell = i < row.size() ? row[i] : "";
-      text += cell;
-      if (i + 1 < width.size()) text += std::string(width[i] - cell.size() + 2, ' ');
+      const std::string pad(width[i] - cell.size(), ' ');
+      text += i < right_.size() && right_[i] ? pad + cell : cell + pad;
+      if (i + 1 < width.size()) text += "  ";
     }
     while (!text.empty() && text.back() == ' ') text.pop_back();
     os << text << '\n';

@@ -190,6 +190,10 @@ double forward_flops(const Topology& topo, const PackedLayout& layout, const int
   return 4.0 * topo.head_dim * topo.group_size() * attended_pairs(topo, layout, topk);
 }
 
+double kl_flops(const Topology& topo, const PackedLayout& layout, const int32_t* topk) {
+  return (2.0 * topo.head_dim * topo.group_size() + 6.0 * topo.index_head_dim) * attended_pairs(topo, layout, topk);
+}
+
 double indexer_flops(const Topology& topo, const PackedLayout& layout) {
   double causal = 0;
   for (const DocumentSpan& d : layout.documents()) {

@@ -56,6 +56,9 @@ inline double backward_flops(const Topology& topo, const PackedLayout& layout, c
 }
 // Indexer = 2 * 128 * Hi * causal (query, key) pairs.
 double indexer_flops(const Topology& topo, const PackedLayout& layout);
+// KL backward = (2 * 128 * group_size + 6 * 128) * attended_pairs: the teacher's scores over
+// the group's query heads, and the index score with its two gradients.
+double kl_flops(const Topology& topo, const PackedLayout& layout, const int32_t* topk);
 
 // Mean over (index head, window) of the number of distinct blocks selected by 8 consecutive
 // query tokens of one document (windows aligned to the document start). Only windows whose

@@ -1,0 +1,130 @@
+#include "step_timer.h"
+
+#include <chrono>
+#include <cstdio>
+#include <vector>
+
+#include "msa/error.h"
+#include "workload.h"
+
+#if MSA_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace msa::tool {
+
+namespace {
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+#if MSA_WITH_CUDA
+void check(cudaError_t e, const char* call) {
+  if (e != cudaSuccess) throw Error(ErrorKind::runtime, std::string(call) + " failed: " + cudaGetErrorString(e));
+}
+#define MSA_TOOL_CUDA(call) check((call), #call)
+#else
+[[noreturn]] void no_cuda() { throw Error(ErrorKind::unsupported, "this msa was built without the CUDA backend"); }
+#endif
+
+}  // namespace
+
+StepTimer::StepTimer(Device device) : device_(device) {
+  if (!device.is_cuda()) return;
+#if MSA_WITH_CUDA
+  MSA_TOOL_CUDA(cudaSetDevice(device.index));
+  cudaStream_t s = nullptr;
+  cudaEvent_t a = nullptr, b = nullptr;
+  MSA_TOOL_CUDA(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  stream_ = s;
+  MSA_TOOL_CUDA(cudaEventCreate(&a));
+  start_ = a;
+  MSA_TOOL_CUDA(cudaEventCreate(&b));
+  stop_ = b;
+#else
+  no_cuda();
+#endif
+}
+
+StepTimer::~StepTimer() {
+#if MSA_WITH_CUDA
+  // A destructor must not throw: errors here are cleared, not reported.
+  if (start_ && cudaEventDestroy(static_cast<cudaEvent_t>(start_)) != cudaSuccess) cudaGetLastError();
+  if (stop_ && cudaEventDestroy(static_cast<cudaEvent_t>(stop_)) != cudaSuccess) cudaGetLastError();
+  if (stream_ && cudaStreamDestroy(static_cast<cudaStream_t>(stream_)) != cudaSuccess) cudaGetLastError();
+#endif
+}
+
+void StepTimer::sync() const {
+  if (!device_.is_cuda()) return;
+#if MSA_WITH_CUDA
+  MSA_TOOL_CUDA(cudaStreamSynchronize(static_cast<cudaStream_t>(stream_)));
+#endif
+}
+
+double StepTimer::median_seconds(int warmup, int repeats, const std::function<void()>& work,
+                                 const std::function<void(const std::string&)>& before) {
+  for (int i = 0; i < warmup; ++i) {
+    if (before) before("warm-up");
+    work();
+  }
+  sync();
+  std::vector<double> times;
+  for (int i = 0; i < repeats; ++i) {
+    if (before) before("run " + std::to_string(i + 1) + "/" + std::to_string(repeats));
+    if (!device_.is_cuda()) {
+      const auto start = std::chrono::steady_clock::now();
+      work();
+      times.push_back(seconds_since(start));
+      continue;
+    }
+#if MSA_WITH_CUDA
+    const auto s = static_cast<cudaStream_t>(stream_);
+    const auto a = static_cast<cudaEvent_t>(start_), b = static_cast<cudaEvent_t>(stop_);
+    MSA_TOOL_CUDA(cudaEventRecord(a, s));
+    work();
+    MSA_TOOL_CUDA(cudaEventRecord(b, s));
+    MSA_TOOL_CUDA(cudaEventSynchronize(b));
+    float ms = 0;
+    MSA_TOOL_CUDA(cudaEventElapsedTime(&ms, a, b));
+    times.push_back(double(ms) * 1e-3);
+#endif
+  }
+  return median(times);
+}
+
+double StepTimer::host_seconds(const std::function<void()>& work) const {
+  sync();
+  const auto start = std::chrono::steady_clock::now();
+  work();
+  sync();
+  return seconds_since(start);
+}
+
+int64_t device_memory_in_use(Device device) {
+  if (!device.is_cuda()) return -1;
+#if MSA_WITH_CUDA
+  MSA_TOOL_CUDA(cudaSetDevice(device.index));
+  size_t free_bytes = 0, total_bytes = 0;
+  MSA_TOOL_CUDA(cudaMemGetInfo(&free_bytes, &total_bytes));
+  return int64_t(total_bytes - free_bytes);
+#else
+  no_cuda();
+#endif
+}
+
+std::string device_description(Device device) {
+  if (!device.is_cuda()) return "";
+#if MSA_WITH_CUDA
+  cudaDeviceProp prop{};
+  MSA_TOOL_CUDA(cudaGetDeviceProperties(&prop, device.index));
+  char text[320];
+  std::snprintf(text, sizeof text, "%s, %d SMs, %.0f MB L2", prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6);
+  return text;
+#else
+  no_cuda();
+#endif
+}
+
+}  // namespace msa::tool

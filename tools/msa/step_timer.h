@@ -1,0 +1,49 @@
+// Timing and device queries of `msa bench`: on a GPU, CUDA-event times on the bench's own
+// stream and a host clock for steps that also work on the host (the plan); on the CPU, wall
+// time. The one file of the training bench that calls the CUDA runtime.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "msa/tensor.h"
+
+namespace msa::tool {
+
+class StepTimer {
+ public:
+  // CUDA: a non-blocking stream and two events on `device`; throws msa::Error (runtime) when
+  // the runtime refuses.
+  explicit StepTimer(Device device);
+  ~StepTimer();
+  StepTimer(const StepTimer&) = delete;
+  StepTimer& operator=(const StepTimer&) = delete;
+
+  // The stream every timed call must queue its work on (a cudaStream_t; null on the CPU).
+  void* stream() const { return stream_; }
+  // Waits for the work queued on stream() (no-op on the CPU).
+  void sync() const;
+
+  // Median seconds of `repeats` calls after `warmup` untimed ones. CUDA: between two events
+  // recorded on stream() around each call; CPU: wall time of each call. `before` (if set)
+  // runs before every call with "warm-up" or "run i/n".
+  double median_seconds(int warmup, int repeats, const std::function<void()>& work,
+                        const std::function<void(const std::string&)>& before = {});
+  // Host clock from the call to the end of the device work it queued on stream().
+  double host_seconds(const std::function<void()>& work) const;
+
+ private:
+  Device device_;
+  void* stream_ = nullptr;
+  void* start_ = nullptr;  // cudaEvent_t
+  void* stop_ = nullptr;
+};
+
+// CUDA: bytes of device memory in use (total - free from cudaMemGetInfo: the CUDA context and
+// other processes included). -1 on the CPU.
+int64_t device_memory_in_use(Device device);
+// CUDA: "NVIDIA H200, 132 SMs, 63 MB L2". Empty on the CPU.
+std::string device_description(Device device);
+
+}  // namespace msa::tool
