@@ -114,6 +114,23 @@ int64_t device_memory_in_use(Device device) {
 #endif
 }
 
+double device_copy_rate(Device device, StepTimer& timer, int64_t bytes, int repeats) {
+  if (!device.is_cuda()) return -1;
+#if MSA_WITH_CUDA
+  // Contents do not matter: the copy streams whatever the allocation holds.
+  const Buffer src(device, DType::u8, {bytes}, timer.stream()), dst(device, DType::u8, {bytes}, timer.stream());
+  const auto s = static_cast<cudaStream_t>(timer.stream());
+  const double seconds = timer.median_seconds(1, repeats, [&] {
+    MSA_TOOL_CUDA(cudaMemcpyAsync(dst.data(), src.data(), size_t(bytes), cudaMemcpyDeviceToDevice, s));
+  });
+  timer.sync();  // the buffers are freed on return
+  return seconds > 0 ? 2.0 * double(bytes) / seconds : -1;
+#else
+  (void)timer, (void)bytes, (void)repeats;
+  no_cuda();
+#endif
+}
+
 std::string device_description(Device device) {
   if (!device.is_cuda()) return "";
 #if MSA_WITH_CUDA

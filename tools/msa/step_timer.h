@@ -1,6 +1,6 @@
 // Timing and device queries of `msa bench`: on a GPU, CUDA-event times on the bench's own
 // stream and a host clock for steps that also work on the host (the plan); on the CPU, wall
-// time. The one file of the training bench that calls the CUDA runtime.
+// time. The one file of the benches (training and decode) that calls the CUDA runtime.
 #pragma once
 
 #include <cstdint>
@@ -45,5 +45,10 @@ class StepTimer {
 int64_t device_memory_in_use(Device device);
 // CUDA: "NVIDIA H200, 132 SMs, 63 MB L2". Empty on the CPU.
 std::string device_description(Device device);
+
+// CUDA: the device's copy bandwidth in bytes per second: a device-to-device cudaMemcpyAsync
+// of `bytes` on timer.stream(), median of `repeats` copies after one warm-up, counting every
+// byte once read and once written (2 x bytes per copy). -1 on the CPU.
+double device_copy_rate(Device device, StepTimer& timer, int64_t bytes, int repeats);
 
 }  // namespace msa::tool
