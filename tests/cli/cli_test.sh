@@ -95,6 +95,19 @@ usage_errors)
   expect 2 "msa bench: error: --csv: .*no/such/dir" "$msa" bench --csv no/such/dir/b.csv --tokens 128
   expect 2 "msa bench: error: .*--decode.*CSV" "$msa" bench --decode --csv b.csv
   [[ ! -e b.csv ]] || fail "a refused bench wrote its CSV"
+  # The decode bench's options: refused before anything is filled or timed, naming the option.
+  expect 2 "msa bench: error: --queries .*\[1, 16\].*'17'" "$msa" bench --decode --backend cpu --queries 1,17
+  expect 2 "msa bench: error: --queries .*'0'" "$msa" bench --decode --backend cpu --queries 0
+  expect 2 "msa bench: error: --queries .*comma-separated.*'x'" "$msa" bench --decode --backend cpu --queries 2,x
+  expect 2 "msa bench: error: --formats .*bf16, fp8, nvfp4.*'fp16'" "$msa" bench --decode --backend cpu --formats bf16,fp16
+  expect 2 "msa bench: error: --batches .*'0'" "$msa" bench --decode --backend cpu --batches 8,0
+  expect 2 "msa bench: error: --batches .*'8k'" "$msa" bench --decode --backend cpu --batches 8k
+  expect 2 "msa bench: error: --contexts .*'12x'" "$msa" bench --decode --backend cpu --contexts 12x
+  expect 2 "msa bench: error: --contexts .*largest --queries value \(8" "$msa" bench --decode --backend cpu --contexts 4
+  expect 2 "msa bench: error: --splits: .*3" "$msa" bench --decode --backend cpu --splits 3
+  expect 2 "msa bench: error: --queries applies to the decode bench" "$msa" bench --queries 4 --tokens 128
+  expect 2 "msa bench: error: --splits applies to the decode bench" "$msa" bench --splits 2 --tokens 128
+  expect 2 "msa bench: error: --json: .*no/such/dir" "$msa" bench --decode --backend cpu --json no/such/dir/d.json
   expect 2 "msa inspect: error: .*absent.safetensors: no such file" "$msa" inspect absent.safetensors
   if "$msa" --version | grep -q '(CPU backend)'; then
     expect 2 "msa demo: error: .*without the CUDA backend" "$msa" demo --backend cuda
@@ -330,6 +343,36 @@ bench_files)
   ls | grep -q '\.tmp$' && fail "a temporary file was left behind"
   # --sizes and --repeats still work, and so does a run without files.
   expect 0 '^ *256 +coherent ' "$msa" bench --backend cpu --sizes 256 --tp 4 --repeats 1 --selection coherent
+  ;;
+
+bench_decode)
+  # The decode bench at tiny shapes on the CPU: one table row and one JSON record per (batch,
+  # context, Q, format); the copy-bandwidth shares are GPU only ('-' in the table, absent from
+  # the JSON).
+  expect 0 '' "$msa" bench --decode --backend cpu --tp 4 --batches 1 --contexts 512,2560 --queries 1,2 \
+    --formats bf16,fp8 --reps 1 --json decode.json
+  header='^ *batch +context +Q +cache +splits +indexer +indexer GB/s +indexer % copy +attention +attention GB/s +attention % copy +step +step GB/s +step % copy$'
+  grep -qE "$header" stdout.txt || fail "the table header is not /$header/"
+  t='[0-9.]+ (us|ms|s)'
+  row="^ *1 +(512|2560) +[12] +(bf16|fp8) +1 +$t +[0-9.]+ +- +$t +[0-9.]+ +- +$t +[0-9.]+ +-$"
+  [[ $(grep -cE "$row" stdout.txt) == 8 ]] || fail "the table lacks its 8 rows /$row/"
+  grep -qE '^ *1 +2560 +2 +fp8 ' stdout.txt || fail "no row for 2560 tokens, Q 2, fp8"
+  grep -q '^wrote decode.json$' stdout.txt || fail "no 'wrote' line"
+  for key in msa_version bench device heads repeats timing bytes_convention splits_requested results batch context \
+             queries_per_request cache splits indexer attention step us bytes gb_per_s; do
+    grep -q "\"$key\":" decode.json || fail "decode.json lacks \"$key\""
+  done
+  [[ $(grep -c '"cache":' decode.json) == 8 && $(grep -c '"gb_per_s":' decode.json) == 24 ]] ||
+    fail "decode.json: 8 records of indexer, attention and step"
+  grep -q '"queries_per_request": 2' decode.json && grep -q '"cache": "fp8"' decode.json || fail "decode.json lacks Q 2 / fp8"
+  for key in copy_bandwidth percent_of_copy device_name; do
+    grep -q "\"$key\":" decode.json && fail "decode.json has the GPU-only \"$key\" on the CPU"
+  done
+  ls | grep -q '\.tmp$' && fail "a temporary file was left behind"
+  # NVFP4 caches and a given split count.
+  expect 0 '' "$msa" bench --decode --backend cpu --tp 4 --batches 2 --contexts 3k --queries 4 --formats nvfp4 --splits 2 --reps 1
+  grep -qE "^ *2 +3k +4 +nvfp4 +2 +$t " stdout.txt || fail "no nvfp4 row with 2 splits"
+  grep -q 'splits: --splits 2' stdout.txt || fail "the note does not name --splits"
   ;;
 
 *)

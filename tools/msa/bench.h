@@ -21,6 +21,12 @@ struct BenchOptions {
   std::string json_path;          // also write the table as JSON here
   std::string csv_path;           // and as CSV here
   bool decode = false;            // time decode steps (bench_decode.cpp) instead of training steps
+  // Decode only (empty / 0: the defaults of bench_decode.cpp):
+  std::string batches;            // "8,32,128"
+  std::string contexts;           // "4096,32k,128k"
+  std::string queries;            // queries per request, "1,2,4,8,16"
+  std::string formats;            // K/V cache formats, "bf16,fp8,nvfp4"
+  int splits = 0;                 // decode split-K count; 0: the plan's automatic choice
 };
 
 int run_bench(const BenchOptions& options);

@@ -1,45 +1,153 @@
-// `msa bench --decode`: times one decode step (paged indexer, paged attention, both) on the
-// standard serving shapes: batch 8 / 32 / 128 x context 4k / 32k / 128k, 8 queries per
-// request, MiniMax-M3 heads, bf16 caches (and one FP8 point). Times are medians of CUDA-event
-// (CPU: wall-clock) measurements after warm-up runs; GB/s counts the bytes the step actually
-// reads and writes:
-//   indexer:   index-K of every history page a ranking row scores (the whole context but the
-//              local page, once per request) + index_q + topk;
+// `msa bench --decode`: times one decode step (paged indexer, paged attention, both) per shape
+// (batch x context x queries per request Q x K/V cache format), MiniMax-M3 heads. Defaults:
+// batch 8 / 32 / 128 x context 4k / 32k / 128k, Q = 8, bf16 caches and one FP8 point (the
+// middle batch and context); on the CPU batch 8 x context 4k. Times are medians of CUDA-event
+// (CPU: wall-clock) measurements on one stream after warm-up runs; GB/s counts the bytes the
+// step actually reads and writes:
+//   indexer:   index-K (bf16) of every history page a ranking row scores (the whole context
+//              but the local page, once per request) + index_q + topk;
 //   attention: for each (request, KV head), the distinct selected pages of its Q rows, only
-//              the tokens up to the last row's position (K and V, plus FP8 / NVFP4 scales) +
-//              q + out + lse (split-K partials, which stay in L2 mostly, are not counted).
+//              the tokens up to the last row's position, K and V in the cache's format (bf16
+//              2 bytes a value, FP8 1 byte, NVFP4 half a byte plus one E4M3 block scale per 16
+//              values; FP8's per-tensor scale, 8 bytes a step, is left out) + q + out + lse +
+//              topk (split-K partials, which stay in L2 mostly, are not counted);
+//   step:      the sum of the two.
+// Each rate is also given as a share of the device's copy bandwidth, measured once at the
+// start (device-to-device copy of 1 GiB, every byte read and written: the most a streaming
+// kernel can expect).
 // The caches are a pool of distinct random pages (about 2.5 GB on a GPU, far larger than L2)
 // that the requests' page tables map into in scattered order, so long contexts do not need
-// their full size in memory.
+// their full size in memory. Only the formats a run times are filled.
 #include <algorithm>
-#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
 #include <iostream>
 #include <set>
 #include <sstream>
+
+#include <nlohmann/json.hpp>
 
 #include "bench.h"
 #include "case_io.h"
 #include "msa/inference.h"
 #include "msa/msa.h"
+#include "step_timer.h"
 #include "table.h"
 #include "workload.h"
-
-#if MSA_WITH_CUDA
-#include <cuda_runtime.h>
-#endif
 
 namespace msa::tool {
 
 namespace {
 
-constexpr int kPage = 128, kDim = 128, kQ = 8;
+constexpr int kPage = 128, kDim = 128, kDefaultQ = 8;
+constexpr int64_t kCopyBytes = int64_t(1) << 30;
+constexpr int kCopyRepeats = 5;
 
-struct DecodePoint {
+[[noreturn]] void invalid(const std::string& message) { throw Error(ErrorKind::invalid_argument, message); }
+
+void progress(const std::string& line) { std::cerr << "[msa bench] decode: " << line << std::endl; }
+
+struct DecodeShape {
   int64_t batch = 0, context = 0;
+  int queries = kDefaultQ;
   KvFormat format = KvFormat::bf16;
 };
 
-// Cheap reproducible contents: bf16 values uniform in about [-1, 1] (or E4M3 codes without NaN).
+const char* format_label(KvFormat f) {
+  switch (f) {
+    case KvFormat::bf16: return "bf16";
+    case KvFormat::fp8_e4m3: return "fp8";
+    case KvFormat::nvfp4: return "nvfp4";
+  }
+  return "?";
+}
+
+// K + V bytes of one token of one KV head.
+double kv_token_bytes(KvFormat f) {
+  switch (f) {
+    case KvFormat::bf16: return 2.0 * kDim * 2;
+    case KvFormat::fp8_e4m3: return 2.0 * kDim;
+    case KvFormat::nvfp4: return 2.0 * (kDim / 2 + kDim / 16);
+  }
+  return 0;
+}
+
+// Splits "a,b,c" at the commas (an empty text is one empty item).
+std::vector<std::string> split_list(const std::string& text) {
+  std::vector<std::string> items;
+  size_t start = 0;
+  while (true) {
+    const size_t comma = text.find(',', start);
+    items.push_back(text.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
+    if (comma == std::string::npos) return items;
+    start = comma + 1;
+  }
+}
+
+// "8,32,128": integers in [lo, hi].
+std::vector<int64_t> parse_int_list(const std::string& text, const std::string& option, int64_t lo, int64_t hi,
+                                    const std::string& what) {
+  std::vector<int64_t> values;
+  for (const std::string& item : split_list(text)) {
+    if (item.empty() || item.size() > 9 || item.find_first_not_of("0123456789") != std::string::npos)
+      invalid(option + " must be a comma-separated list of " + what + ", got '" + item + "'");
+    const int64_t v = std::stoll(item);
+    if (v < lo || v > hi)
+      invalid(option + " entries must be in [" + std::to_string(lo) + ", " + std::to_string(hi) + "], got '" + item + "'");
+    values.push_back(v);
+  }
+  return values;
+}
+
+std::vector<KvFormat> parse_formats(const std::string& text) {
+  std::vector<KvFormat> formats;
+  for (const std::string& item : split_list(text)) {
+    KvFormat f = KvFormat::bf16;
+    if (item == "bf16") f = KvFormat::bf16;
+    else if (item == "fp8") f = KvFormat::fp8_e4m3;
+    else if (item == "nvfp4") f = KvFormat::nvfp4;
+    else invalid("--formats must be a comma-separated list of bf16, fp8, nvfp4, got '" + item + "'");
+    if (std::find(formats.begin(), formats.end(), f) == formats.end()) formats.push_back(f);
+  }
+  return formats;
+}
+
+// The shapes of the run, in table order: per Q, per format, batch-major. Everything is
+// checked here, before the caches are filled.
+std::vector<DecodeShape> decode_shapes(const BenchOptions& o, bool gpu) {
+  const std::vector<int64_t> batches =
+      !o.batches.empty() ? parse_int_list(o.batches, "--batches", 1, 1 << 20, "integers (requests per step)")
+                         : gpu ? std::vector<int64_t>{8, 32, 128} : std::vector<int64_t>{8};
+  const std::vector<int64_t> contexts = !o.contexts.empty() ? parse_size_list(o.contexts, "--contexts")
+                                        : gpu ? std::vector<int64_t>{4096, 32768, 131072} : std::vector<int64_t>{4096};
+  const std::vector<int64_t> queries = !o.queries.empty()
+                                           ? parse_int_list(o.queries, "--queries", 1, 16, "integers (queries per request)")
+                                           : std::vector<int64_t>{kDefaultQ};
+  const int64_t most_q = *std::max_element(queries.begin(), queries.end());
+  for (int64_t c : contexts)
+    if (c < most_q)
+      invalid("--contexts entries must be at least the largest --queries value (" + std::to_string(most_q) +
+              ": the step's queries are part of the context), got " + std::to_string(c));
+  std::vector<DecodeShape> shapes;
+  const bool default_formats = o.formats.empty();
+  const std::vector<KvFormat> formats = default_formats ? std::vector<KvFormat>{KvFormat::bf16} : parse_formats(o.formats);
+  for (int64_t q : queries) {
+    for (KvFormat f : formats)
+      for (int64_t b : batches)
+        for (int64_t c : contexts) shapes.push_back({b, c, int(q), f});
+    // The default run's one FP8 point: the middle batch and context (32 x 32k on a GPU).
+    if (default_formats) {
+      const int64_t b = batches[(batches.size() - 1) / 2], c = contexts[(contexts.size() - 1) / 2];
+      shapes.push_back({b, c, int(q), KvFormat::fp8_e4m3});
+    }
+  }
+  return shapes;
+}
+
+// Cheap reproducible contents: bf16 values uniform in about [-1, 1] (or E4M3 codes without NaN,
+// or any byte for packed NVFP4 codes).
 void fill_bytes(StTensor& t, uint64_t seed) {
   uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
   auto next = [&] {
@@ -55,167 +163,321 @@ void fill_bytes(StTensor& t, uint64_t seed) {
       // sign, exponent 2^-7 .. 2^0, random mantissa
       p[i] = uint16_t(((r >> 63) << 15) | ((120 + (r >> 40) % 7) << 7) | (r & 0x7f));
     }
+  } else if (t.dtype == DType::u8) {
+    for (auto& b : t.bytes) b = uint8_t(next() >> 56);
   } else {
     auto* p = reinterpret_cast<uint8_t*>(t.bytes.data());
     for (int64_t i = 0; i < int64_t(t.bytes.size()); ++i) p[i] = uint8_t(next() >> 56) & 0xf7;  // no 0x7f / 0xff
   }
 }
 
-// Median seconds of `repeats` runs after `warmup` runs.
-double time_median(Device dev, int warmup, int repeats, const std::function<void()>& work) {
-  for (int i = 0; i < warmup; ++i) work();
-  std::vector<double> t;
-#if MSA_WITH_CUDA
-  if (dev.is_cuda()) {
-    cudaEvent_t a, b;
-    cudaEventCreate(&a);
-    cudaEventCreate(&b);
-    for (int i = 0; i < repeats; ++i) {
-      cudaEventRecord(a, nullptr);
-      work();
-      cudaEventRecord(b, nullptr);
-      cudaEventSynchronize(b);
-      float ms = 0;
-      cudaEventElapsedTime(&ms, a, b);
-      t.push_back(ms * 1e-3);
-    }
-    cudaEventDestroy(a);
-    cudaEventDestroy(b);
-    return median(t);
+// NVFP4 block scales as an insert of values in [-1, 1] writes them (max / 6): positive E4M3
+// codes of 2^-3 .. 2^-2 with random mantissas.
+void fill_block_scales(StTensor& t, uint64_t seed) {
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (auto& b : t.bytes) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    b = uint8_t(((4 + (x >> 60) % 2) << 3) | (x & 7));
   }
-#endif
-  for (int i = 0; i < repeats; ++i) t.push_back(time_once(dev, work));
-  return median(t);
 }
 
-std::string gbps(double bytes, double seconds) {
-  if (seconds <= 0) return "-";
+// The shared page pool, filled for the formats the run times.
+struct PagePool {
+  int64_t pages = 0;
+  Buffer index_k;                      // [pages, 128, 128] bf16
+  Buffer k_bf16, v_bf16, k_fp8, v_fp8;  // [pages, Hkv, 128, 128]
+  Buffer k_fp4, v_fp4, k_sf, v_sf;      // [pages, Hkv, 128, 64] u8, [pages, Hkv, 128, 8] e4m3
+  Buffer scale;                         // [1] f32, FP8's per-tensor scale
+
+  PagedKvCache cache(KvFormat f) const {
+    PagedKvCache c;
+    c.format = f;
+    if (f == KvFormat::bf16) {
+      c.k = k_bf16.view();
+      c.v = v_bf16.view();
+    } else if (f == KvFormat::fp8_e4m3) {
+      c.k = k_fp8.view();
+      c.v = v_fp8.view();
+      c.k_scale = scale.view();
+      c.v_scale = scale.view();
+    } else {
+      c.k = k_fp4.view();
+      c.v = v_fp4.view();
+      c.k_block_scale = k_sf.view();
+      c.v_block_scale = v_sf.view();
+    }
+    return c;
+  }
+};
+
+PagePool fill_pool(DeviceArena& arena, int64_t pages, int Hkv, const std::vector<DecodeShape>& shapes) {
+  auto uses = [&](KvFormat f) {
+    return std::any_of(shapes.begin(), shapes.end(), [&](const DecodeShape& s) { return s.format == f; });
+  };
+  // One host tensor at a time: a GPU pool holds about 1 GB per cache.
+  auto upload = [&](const std::string& name, DType dtype, std::vector<int64_t> shape, uint64_t seed, bool scales = false) {
+    StTensor t = make_tensor(name, dtype, std::move(shape));
+    if (scales) fill_block_scales(t, seed);
+    else fill_bytes(t, seed);
+    return arena.upload(t.view());
+  };
+  PagePool p;
+  p.pages = pages;
+  p.index_k = upload("ik", DType::bf16, {pages, kPage, kDim}, 3);
+  if (uses(KvFormat::bf16)) {
+    p.k_bf16 = upload("k", DType::bf16, {pages, Hkv, kPage, kDim}, 1);
+    p.v_bf16 = upload("v", DType::bf16, {pages, Hkv, kPage, kDim}, 2);
+  }
+  if (uses(KvFormat::fp8_e4m3)) {
+    p.k_fp8 = upload("k8", DType::f8e4m3, {pages, Hkv, kPage, kDim}, 4);
+    p.v_fp8 = upload("v8", DType::f8e4m3, {pages, Hkv, kPage, kDim}, 5);
+    StTensor sc = make_tensor("scale", DType::f32, {1});
+    *reinterpret_cast<float*>(sc.bytes.data()) = 0.05f;
+    p.scale = arena.upload(sc.view());
+  }
+  if (uses(KvFormat::nvfp4)) {
+    p.k_fp4 = upload("k4", DType::u8, {pages, Hkv, kPage, kDim / 2}, 6);
+    p.v_fp4 = upload("v4", DType::u8, {pages, Hkv, kPage, kDim / 2}, 7);
+    p.k_sf = upload("k4sf", DType::f8e4m3, {pages, Hkv, kPage, kDim / 16}, 8, true);
+    p.v_sf = upload("v4sf", DType::f8e4m3, {pages, Hkv, kPage, kDim / 16}, 9, true);
+  }
+  return p;
+}
+
+struct Part {
+  double seconds = 0, bytes = 0;
+  double rate() const { return seconds > 0 ? bytes / seconds : 0; }
+};
+
+struct DecodeRow {
+  DecodeShape shape;
+  int splits = 0;  // used by the plan
+  Part indexer, attention, step;
+};
+
+DecodeRow bench_shape(const DecodeShape& pt, const Topology& topo, Device dev, const PagePool& pool, int splits,
+                      int repeats, int threads, StepTimer& timer) {
+  const int Hq = topo.num_q_heads, Hkv = topo.num_kv_heads, Hi = topo.num_index_heads, Q = pt.queries;
+  const bool gpu = dev.is_cuda();
+  const int64_t B = pt.batch, rows = B * Q, pages_per_req = (pt.context + kPage - 1) / kPage;
+  DeviceArena arena(dev);
+  std::vector<int32_t> seq(size_t(B), int32_t(pt.context)), table_ids(size_t(B * pages_per_req));
+  uint64_t h = 12345;
+  for (auto& id : table_ids) {
+    h = h * 6364136223846793005ull + 1442695040888963407ull;
+    id = int32_t((h >> 33) % uint64_t(pool.pages));
+  }
+  DecodeMetadata meta;
+  meta.seq_lens = TensorView::contiguous(seq.data(), DType::i32, {B});
+  meta.page_table = TensorView::contiguous(table_ids.data(), DType::i32, {B, pages_per_req});
+  meta.q_len_per_req = Q;
+  InferencePlanOptions po;
+  po.device = dev;
+  po.num_kv_splits = splits;
+  po.num_threads = threads;
+  const InferencePlan plan = plan_decode(topo, meta, po);
+
+  StTensor qh = make_tensor("q", DType::bf16, {rows, Hq, kDim}), qih = make_tensor("qi", DType::bf16, {rows, Hi, kDim});
+  fill_bytes(qh, 10 + uint64_t(B));
+  fill_bytes(qih, 20 + uint64_t(B));
+  Buffer q = arena.upload(qh.view()), qi = arena.upload(qih.view());
+  Buffer topk = arena.allocate(DType::i32, {Hi, rows, 16}), out = arena.allocate(DType::bf16, {rows, Hq, kDim}),
+         lse = arena.allocate(DType::f32, {rows, Hq});
+  PagedIndexerParams ip;
+  ip.index_q = qi.view();
+  ip.index_k_cache = pool.index_k.view();
+  ip.topk = topk.view();
+  PagedAttentionParams ap;
+  ap.q = q.view();
+  ap.kv = pool.cache(pt.format);
+  ap.topk = topk.view();
+  ap.out = out.view();
+  ap.lse = lse.view();
+  PagedAttentionParams fwd = ap;
+  fwd.topk = {};
+  RunOptions run;
+  run.num_threads = threads;
+  run.stream = timer.stream();
+  // The plan and the uploads went through the legacy stream, which the timer's non-blocking
+  // stream does not wait for.
+  synchronize(dev);
+
+  const int warmup = gpu ? 3 : 1;
+  DecodeRow row;
+  row.shape = pt;
+  row.splits = plan.num_kv_splits;
+  row.indexer.seconds = timer.median_seconds(warmup, repeats, [&] { paged_indexer(plan, ip, run); });
+  row.attention.seconds = timer.median_seconds(warmup, repeats, [&] { paged_attention(plan, ap, run); });
+  row.step.seconds = timer.median_seconds(warmup, repeats, [&] { paged_forward(plan, ip, fwd, run); });
+  timer.sync();
+
+  // Bytes actually read / written (header of this file).
+  const int64_t local = (pt.context - 1) / kPage;
+  row.indexer.bytes = double(B) * double(local + 1 > 16 ? local : 0) * kPage * kDim * 2 + double(rows) * Hi * kDim * 2 +
+                      double(Hi) * rows * 16 * 4;
+  const std::vector<int32_t> ids = to_host_ints(topk.view());
+  double kv_tokens = 0;
+  for (int g = 0; g < Hkv; ++g)
+    for (int64_t b = 0; b < B; ++b) {
+      std::set<int32_t> pages;
+      for (int i = 0; i < Q; ++i)
+        for (int s = 0; s < 16; ++s) {
+          const int32_t p = ids[size_t((int64_t(g) * rows + b * Q + i) * 16 + s)];
+          if (p >= 0) pages.insert(p);
+        }
+      for (int32_t p : pages) kv_tokens += double(std::min<int64_t>(kPage, pt.context - int64_t(p) * kPage));
+    }
+  row.attention.bytes = kv_tokens * kv_token_bytes(pt.format) + double(rows) * Hq * kDim * 2 * 2 +
+                        double(rows) * Hq * 4 + double(Hkv) * rows * 16 * 4;
+  row.step.bytes = row.indexer.bytes + row.attention.bytes;
+  return row;
+}
+
+std::string fixed(double value, int decimals) {
+  char text[48];
+  std::snprintf(text, sizeof text, "%.*f", decimals, value);
+  return text;
+}
+
+std::string context_cell(int64_t context) {
+  return context % 1024 == 0 ? std::to_string(context / 1024) + "k" : std::to_string(context);
+}
+// Whole numbers from 100 on, one decimal from 10, two below (the CPU's and small shapes' rates).
+std::string number_cell(double v) { return fixed(v, v >= 100 ? 0 : v >= 10 ? 1 : 2); }
+std::string gbps_cell(const Part& p) { return p.seconds > 0 ? number_cell(p.rate() * 1e-9) : "-"; }
+std::string copy_cell(const Part& p, double copy_rate) {
+  return p.seconds > 0 && copy_rate > 0 ? number_cell(100 * p.rate() / copy_rate) : "-";
+}
+
+// The row as one line, printed as soon as it is measured (a run cut short keeps its rows).
+std::string row_line(const DecodeRow& r, double copy_rate) {
   std::ostringstream s;
-  s.setf(std::ios::fixed);
-  s.precision(0);
-  s << bytes / seconds * 1e-9 << " GB/s";
+  s << "batch " << r.shape.batch << ", context " << r.shape.context << ", Q " << r.shape.queries << ", "
+    << format_label(r.shape.format) << ", " << r.splits << " splits:";
+  const std::pair<const char*, const Part*> parts[] = {{"indexer", &r.indexer}, {"attention", &r.attention}, {"step", &r.step}};
+  for (const auto& [name, p] : parts) {
+    s << (p == &r.indexer ? " " : " | ") << name << " " << format_time(p->seconds) << " " << gbps_cell(*p) << " GB/s";
+    if (copy_rate > 0) s << " (" << copy_cell(*p, copy_rate) << " % of copy)";
+  }
   return s.str();
+}
+
+const char* kBytesConvention =
+    "indexer: bf16 index-K of the history pages a ranking row scores (context but the local page, once per request) + "
+    "index_q + topk; attention: per (request, KV head) the distinct selected pages' tokens up to the last row's "
+    "position, K and V in the cache format (bf16 512, fp8 256, nvfp4 144 bytes a token and head: packed codes + E4M3 "
+    "block scales) + q + out + lse + topk; step: indexer + attention";
+
+nlohmann::json part_json(const Part& p, double copy_rate) {
+  nlohmann::json j = {{"us", p.seconds * 1e6}, {"bytes", int64_t(std::llround(p.bytes))}, {"gb_per_s", p.rate() * 1e-9}};
+  if (copy_rate > 0) j["percent_of_copy"] = 100 * p.rate() / copy_rate;
+  return j;
+}
+
+std::string json_text(const std::vector<DecodeRow>& rows, Device dev, const Topology& topo, int repeats, int splits,
+                      double copy_rate) {
+  nlohmann::json j = {{"msa_version", kVersion},
+                      {"bench", "decode"},
+                      {"device", to_string(dev)},
+                      {"heads", {{"q", topo.num_q_heads}, {"kv", topo.num_kv_heads}, {"index", topo.num_index_heads}}},
+                      {"repeats", repeats},
+                      {"timing", dev.is_cuda() ? "CUDA events on one stream" : "wall clock"},
+                      {"bytes_convention", kBytesConvention},
+                      {"splits_requested", splits},
+                      {"results", nlohmann::json::array()}};
+  if (dev.is_cuda()) {
+    j["device_name"] = device_description(dev);
+    j["copy_bandwidth"] = {{"gb_per_s", copy_rate * 1e-9},
+                           {"copy_bytes", kCopyBytes},
+                           {"copies", kCopyRepeats},
+                           {"convention", "device-to-device cudaMemcpyAsync, median; 2 x bytes (read + written) / time"}};
+  }
+  for (const DecodeRow& r : rows)
+    j["results"].push_back({{"batch", r.shape.batch},
+                            {"context", r.shape.context},
+                            {"queries_per_request", r.shape.queries},
+                            {"cache", format_label(r.shape.format)},
+                            {"splits", r.splits},
+                            {"indexer", part_json(r.indexer, copy_rate)},
+                            {"attention", part_json(r.attention, copy_rate)},
+                            {"step", part_json(r.step, copy_rate)}});
+  return j.dump(2) + '\n';
+}
+
+// Through a temporary file, so that a reader never sees half a file.
+void write_file(const std::string& path, const std::string& text) {
+  const std::string temp = path + ".tmp";
+  {
+    std::ofstream f(temp);
+    f << text;
+    if (!f) invalid(path + ": cannot write the file");
+  }
+  std::filesystem::rename(temp, path);
 }
 
 }  // namespace
 
 int run_bench_decode(const BenchOptions& o) {
   const Device dev = resolve_backend(o.backend);
-  const Topology topo = Topology::minimax_m3(o.tp);
-  const int Hq = topo.num_q_heads, Hkv = topo.num_kv_heads, Hi = topo.num_index_heads;
   const bool gpu = dev.is_cuda();
+  if (o.tp != 1 && o.tp != 2 && o.tp != 4) invalid("--tp must be 1, 2 or 4, got " + std::to_string(o.tp));
+  if (o.splits != 0 && o.splits != 1 && o.splits != 2 && o.splits != 4 && o.splits != 8 && o.splits != 16)
+    invalid("--splits must be 0 (automatic), 1, 2, 4, 8 or 16, got " + std::to_string(o.splits));
+  const std::vector<DecodeShape> shapes = decode_shapes(o, gpu);
+  const Topology topo = Topology::minimax_m3(o.tp);
+  const int Hq = topo.num_q_heads, Hkv = topo.num_kv_heads;
   const int repeats = o.repeats > 0 ? o.repeats : (gpu ? 10 : 2);
-  std::vector<DecodePoint> points;
-  const std::vector<int64_t> batches = gpu ? std::vector<int64_t>{8, 32, 128} : std::vector<int64_t>{8};
-  const std::vector<int64_t> contexts = gpu ? std::vector<int64_t>{4096, 32768, 131072} : std::vector<int64_t>{4096};
-  for (int64_t b : batches)
-    for (int64_t c : contexts) points.push_back({b, c, KvFormat::bf16});
-  points.push_back({gpu ? 32 : 8, gpu ? 32768 : 4096, KvFormat::fp8_e4m3});
+  StepTimer timer(dev);
 
-  // Page pool (shared by every point): ~1 GB per K / V cache on a GPU.
-  const int64_t pool = gpu ? std::max<int64_t>(64, (int64_t(1) << 30) / (int64_t(Hkv) * kPage * kDim * 2)) : 256;
-  std::cerr << "[msa bench] decode: filling a pool of " << pool << " pages" << std::endl;
+  const double copy_rate = device_copy_rate(dev, timer, kCopyBytes, kCopyRepeats);
+  if (gpu) progress("copy bandwidth " + fixed(copy_rate * 1e-9, 0) + " GB/s");
+
+  // Page pool (shared by every shape): ~1 GB per bf16 K / V cache on a GPU.
+  const int64_t pages = gpu ? std::max<int64_t>(64, (int64_t(1) << 30) / (int64_t(Hkv) * kPage * kDim * 2)) : 256;
+  progress("filling a pool of " + std::to_string(pages) + " pages");
   DeviceArena arena(dev);
-  StTensor kh = make_tensor("k", DType::bf16, {pool, Hkv, kPage, kDim}), vh = make_tensor("v", DType::bf16, {pool, Hkv, kPage, kDim}),
-           ih = make_tensor("ik", DType::bf16, {pool, kPage, kDim});
-  fill_bytes(kh, 1);
-  fill_bytes(vh, 2);
-  fill_bytes(ih, 3);
-  Buffer k_bf16 = arena.upload(kh.view()), v_bf16 = arena.upload(vh.view()), index_k = arena.upload(ih.view());
-  kh.bytes = {};
-  vh.bytes = {};
-  StTensor k8 = make_tensor("k8", DType::f8e4m3, {pool, Hkv, kPage, kDim}), v8 = make_tensor("v8", DType::f8e4m3, {pool, Hkv, kPage, kDim});
-  fill_bytes(k8, 4);
-  fill_bytes(v8, 5);
-  Buffer k_fp8 = arena.upload(k8.view()), v_fp8 = arena.upload(v8.view());
-  k8.bytes = {};
-  v8.bytes = {};
-  StTensor sc = make_tensor("scale", DType::f32, {1});
-  *reinterpret_cast<float*>(sc.bytes.data()) = 0.05f;
-  Buffer scale = arena.upload(sc.view());
+  const PagePool pool = fill_pool(arena, pages, Hkv, shapes);
 
-  Table table({"batch", "context", "cache", "splits", "indexer", "indexer GB/s", "attention", "attention GB/s", "step"});
-  for (const DecodePoint& pt : points) {
-    const int64_t B = pt.batch, rows = B * kQ, pages_per_req = (pt.context + kPage - 1) / kPage;
-    std::cerr << "[msa bench] decode: batch " << B << ", context " << pt.context << std::endl;
-    std::vector<int32_t> seq(size_t(B), int32_t(pt.context)), table_ids(size_t(B * pages_per_req));
-    uint64_t h = 12345;
-    for (auto& id : table_ids) {
-      h = h * 6364136223846793005ull + 1442695040888963407ull;
-      id = int32_t((h >> 33) % uint64_t(pool));
-    }
-    const TensorView seq_v = TensorView::contiguous(seq.data(), DType::i32, {B});
-    const TensorView table_v = TensorView::contiguous(table_ids.data(), DType::i32, {B, pages_per_req});
-    DecodeMetadata meta;
-    meta.seq_lens = seq_v;
-    meta.page_table = table_v;
-    meta.q_len_per_req = kQ;
-    InferencePlanOptions po;
-    po.device = dev;
-    po.num_threads = o.threads;
-    const InferencePlan plan = plan_decode(topo, meta, po);
-
-    StTensor qh = make_tensor("q", DType::bf16, {rows, Hq, kDim}), qih = make_tensor("qi", DType::bf16, {rows, Hi, kDim});
-    fill_bytes(qh, 10 + uint64_t(B));
-    fill_bytes(qih, 20 + uint64_t(B));
-    Buffer q = arena.upload(qh.view()), qi = arena.upload(qih.view());
-    Buffer topk = arena.allocate(DType::i32, {Hi, rows, 16}), out = arena.allocate(DType::bf16, {rows, Hq, kDim}),
-           lse = arena.allocate(DType::f32, {rows, Hq});
-    PagedKvCache cache;
-    cache.format = pt.format;
-    const bool fp8 = pt.format == KvFormat::fp8_e4m3;
-    cache.k = fp8 ? k_fp8.view() : k_bf16.view();
-    cache.v = fp8 ? v_fp8.view() : v_bf16.view();
-    if (fp8) {
-      cache.k_scale = scale.view();
-      cache.v_scale = scale.view();
-    }
-    PagedIndexerParams ip;
-    ip.index_q = qi.view();
-    ip.index_k_cache = index_k.view();
-    ip.topk = topk.view();
-    PagedAttentionParams ap;
-    ap.q = q.view();
-    ap.kv = cache;
-    ap.topk = topk.view();
-    ap.out = out.view();
-    ap.lse = lse.view();
-    RunOptions run;
-    run.num_threads = o.threads;
-    const int warmup = gpu ? 3 : 1;
-    const double t_index = time_median(dev, warmup, repeats, [&] { paged_indexer(plan, ip, run); });
-    const double t_attn = time_median(dev, warmup, repeats, [&] { paged_attention(plan, ap, run); });
-    PagedAttentionParams fwd = ap;
-    fwd.topk = {};
-    const double t_step = time_median(dev, warmup, repeats, [&] { paged_forward(plan, ip, fwd, run); });
-
-    // Bytes actually read / written.
-    const double elem = fp8 ? 1.0 : 2.0;
-    const int64_t local = (pt.context - 1) / kPage;
-    const double index_bytes = double(B) * double(local + 1 > 16 ? local : 0) * kPage * kDim * 2 +
-                               double(rows) * Hi * kDim * 2 + double(Hi) * rows * 16 * 4;
-    StTensor ids = arena.download("topk", topk.view());
-    const auto* id = reinterpret_cast<const int32_t*>(ids.bytes.data());
-    double kv_tokens = 0;
-    for (int g = 0; g < Hkv; ++g)
-      for (int64_t b = 0; b < B; ++b) {
-        std::set<int32_t> pages;
-        for (int i = 0; i < kQ; ++i)
-          for (int s = 0; s < 16; ++s) {
-            const int32_t p = id[(int64_t(g) * rows + b * kQ + i) * 16 + s];
-            if (p >= 0) pages.insert(p);
-          }
-        for (int32_t p : pages) kv_tokens += double(std::min<int64_t>(kPage, pt.context - int64_t(p) * kPage));
-      }
-    const double attn_bytes = kv_tokens * kDim * elem * 2 + double(rows) * Hq * kDim * 2 * 2 + double(rows) * Hq * 4 +
-                              double(Hkv) * rows * 16 * 4;
-    table.add_row({std::to_string(B), std::to_string(pt.context / 1024) + "k", fp8 ? "fp8" : "bf16",
-                   std::to_string(plan.num_kv_splits), format_time(t_index), gbps(index_bytes, t_index),
-                   format_time(t_attn), gbps(attn_bytes, t_attn), format_time(t_step)});
+  std::vector<DecodeRow> rows;
+  for (const DecodeShape& pt : shapes) {
+    progress("batch " + std::to_string(pt.batch) + ", context " + std::to_string(pt.context) + ", Q " +
+             std::to_string(pt.queries) + ", " + format_label(pt.format));
+    rows.push_back(bench_shape(pt, topo, dev, pool, o.splits, repeats, o.threads, timer));
+    progress(row_line(rows.back(), copy_rate));
+    if (!o.json_path.empty()) write_file(o.json_path, json_text(rows, dev, topo, repeats, o.splits, copy_rate));
   }
-  std::cout << "decode step on " << to_string(dev) << " (MiniMax-M3 tp " << o.tp << ": Hq " << Hq << ", Hkv " << Hkv
-            << ", " << kQ << " queries per request; medians of " << repeats << " runs)\n";
+
+  std::cout << "decode step on " << to_string(dev);
+  if (gpu) std::cout << " (" << device_description(dev) << ")";
+  std::cout << ": MiniMax-M3 tp " << o.tp << " (Hq " << Hq << ", Hkv " << Hkv << "), Q = queries per request; medians of "
+            << repeats << " runs\n";
+  if (gpu)
+    std::cout << "copy bandwidth: " << fixed(copy_rate * 1e-9, 0) << " GB/s (device-to-device copy of 1 GiB, bytes read + "
+              << "written, median of " << kCopyRepeats << ")\n";
+  std::cout << "\n";
+  Table table({"batch", "context", "Q", "cache", "splits", "indexer", "indexer GB/s", "indexer % copy", "attention",
+               "attention GB/s", "attention % copy", "step", "step GB/s", "step % copy"});
+  table.align_right({true, true, true, false, true, true, true, true, true, true, true, true, true, true});
+  for (const DecodeRow& r : rows)
+    table.add_row({std::to_string(r.shape.batch), context_cell(r.shape.context), std::to_string(r.shape.queries),
+                   format_label(r.shape.format), std::to_string(r.splits), format_time(r.indexer.seconds),
+                   gbps_cell(r.indexer), copy_cell(r.indexer, copy_rate), format_time(r.attention.seconds),
+                   gbps_cell(r.attention), copy_cell(r.attention, copy_rate), format_time(r.step.seconds),
+                   gbps_cell(r.step), copy_cell(r.step, copy_rate)});
   table.print(std::cout);
+  std::cout << "\nTimes: medians, " << (gpu ? "CUDA events on one stream" : "wall clock")
+            << "; indexer and attention timed on their own, step = paged_forward (both).\n"
+               "GB/s: bytes read and written / time, the bytes being\n"
+               "  indexer    bf16 index-K of the history pages the rows rank (the context but the local page, once per "
+               "request) + index_q + topk\n"
+               "  attention  per (request, KV head) the distinct selected pages' tokens up to the last row's position, "
+               "K + V at 512 (bf16), 256 (fp8) or 144 (nvfp4: codes + block scales) bytes a token, + q + out + lse + topk\n"
+               "  step       indexer + attention\n"
+            << "% copy: " << (gpu ? "share of the copy bandwidth above" : "GPU only") << ". splits: "
+            << (o.splits == 0 ? "the plan's automatic split-K count" : "--splits " + std::to_string(o.splits)) << ".\n";
+  if (!o.json_path.empty()) std::cout << "wrote " << o.json_path << "\n";
   return 0;
 }
 

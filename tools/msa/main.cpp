@@ -98,8 +98,24 @@ int main(int argc, char** argv) {
       "bench", "The training benchmark: times indexer, plan (with a given workspace and allocating its own), forward, "
                "backward (also deterministic) and KL on one document per size (MiniMax-M3 heads) for independent and "
                "coherent selections; median of repeats after warm-up (CUDA events on a GPU). A table on stdout; "
-               "--csv / --json also write the rows to files.");
-  bench_cmd->add_flag("--decode", bench.decode, "Time decode steps (paged indexer + attention, batch 8/32/128 x context 4k/32k/128k) instead");
+               "--csv / --json also write the rows to files. --decode times decode steps instead (options marked "
+               "--decode).");
+  bench_cmd->add_flag("--decode", bench.decode,
+                      "Time decode steps instead: paged indexer, attention and the whole step per (batch, context, "
+                      "queries per request, cache format), with GB/s and % of the device's copy bandwidth; --json "
+                      "writes the rows");
+  const std::vector<CLI::Option*> decode_opts = {
+      bench_cmd->add_option("--batches", bench.batches,
+                            "--decode: requests per step, e.g. 8,32,128 (default: 8,32,128 on a GPU, 8 on the CPU)"),
+      bench_cmd->add_option("--contexts", bench.contexts,
+                            "--decode: KV tokens per request, e.g. 4k,32k,128k (default: 4k,32k,128k on a GPU, 4k on the CPU)"),
+      bench_cmd->add_option("--queries", bench.queries, "--decode: queries per request, each in 1..16, e.g. 1,2,4,8,16 (default 8)"),
+      bench_cmd->add_option("--formats", bench.formats,
+                            "--decode: K/V cache formats, any of bf16,fp8,nvfp4, each at every shape (default: bf16 at "
+                            "every shape and fp8 at the middle batch and context)"),
+      bench_cmd->add_option("--splits", bench.splits, "--decode: attention split-K count 1, 2, 4, 8 or 16; 0 = the plan's automatic choice")
+          ->check(CLI::IsMember({0, 1, 2, 4, 8, 16}))
+          ->capture_default_str()};
   bench_cmd->add_option("--json", bench.json_path, "Also write the results as JSON to this file")->check(output_file);
   CLI::Option* csv_opt =
       bench_cmd->add_option("--csv", bench.csv_path, "Also write the results as CSV to this file")->check(output_file);
@@ -113,7 +129,7 @@ int main(int argc, char** argv) {
   bench_cmd->add_option("--selection", bench.selection, "independent, coherent or both")
       ->check(CLI::IsMember({"independent", "coherent", "both"}))
       ->capture_default_str();
-  CLI::Option* repeats_opt = bench_cmd->add_option("--repeats", bench.repeats, "Timed runs per step (default 3 on the CPU, 10 on a GPU)")
+  CLI::Option* repeats_opt = bench_cmd->add_option("--repeats", bench.repeats, "Timed runs per step (default 3 on the CPU, decode 2; 10 on a GPU)")
       ->check(CLI::Range(1, 100000));
   bench_cmd->add_option("--reps", bench.repeats, "Same as --repeats")->check(CLI::Range(1, 100000))->excludes(repeats_opt);
   bench_cmd->add_option("--threads", bench.threads, "CPU threads (0 = all)")->check(CLI::Range(0, 4096));
@@ -204,6 +220,9 @@ int main(int argc, char** argv) {
     }
     if (*bench_cmd) {
       if (sizes_opt->count() > 0) bench.sizes_option = "--sizes";
+      for (const CLI::Option* opt : decode_opts)
+        if (!bench.decode && opt->count() > 0)
+          throw msa::Error(msa::ErrorKind::invalid_argument, opt->get_name() + " applies to the decode bench (--decode) only");
       return run_bench(bench);
     }
     if (*make_cmd) return run_make_case(make);
