@@ -11,6 +11,7 @@
 // edge's dQ goes to its partial slot (bf16) and each chunk's dK, dV to its own fp32 slot;
 // reduce_gradients finishes both in a fixed order.
 #include "backend.h"
+#include "cuda/backward_steps.cuh"
 #include "cuda/chunk_walker.cuh"
 #include "cuda/common.cuh"
 #include "cuda/device.cuh"
@@ -285,63 +286,39 @@ void launch_prepare(const AttentionBackwardParams& p, int64_t rows, float* delta
 
 void sparse_attention_backward(const Topology& topo, const PackedLayout& L, const SparsePlan& plan,
                                const AttentionBackwardParams& p, const RunOptions& opt) {
-  DeviceGuard guard(p.q.device.index);
-  const PlanState& st = plan_state(plan);
-  const cudaStream_t s = as_stream(opt);
-  const int64_t Tq = L.total_q(), Tk = L.total_k();
+  const ChunkPass pass(p.q, topo, L, plan, opt);
+  const WorkspaceLayout& w = pass.w;
+  const int64_t Tq = pass.total_q, Tk = pass.total_k;
   const int Hq = topo.num_q_heads, Hkv = topo.num_kv_heads;
-  const WorkspaceLayout w = workspace_layout(topo, L);
-
-  BackwardArgs a{};
-  a.chunks = chunk_list(plan, st, Tq);
-  a.q = p.q.as<const __nv_bfloat16>();
-  a.k = p.k.as<const __nv_bfloat16>();
-  a.v = p.v.as<const __nv_bfloat16>();
-  a.lse = p.lse.as<const float>();
-  a.delta = ws<float>(st, w.delta);
-  a.dq_acc = ws<float>(st, w.dq_acc);
-  a.dk_acc = ws<float>(st, w.dk_acc);
-  a.dv_acc = ws<float>(st, w.dv_acc);
-  a.dq_part = ws<__nv_bfloat16>(st, w.dq_part);
-  a.kv_chunks = ws<float>(st, w.kv_chunks);
-  a.Hq = Hq;
-  a.Hkv = Hkv;
-  a.scale = topo.attention_scale();
-  a.scale_log2 = a.scale * math::kLog2e;
-  a.deterministic = opt.deterministic;
-
   // D and a bf16 dO.
-  __nv_bfloat16* dout16 = p.dout.dtype == DType::f32 ? ws<__nv_bfloat16>(st, w.dout16) : nullptr;
-  a.dout = dout16 ? dout16 : p.dout.as<const __nv_bfloat16>();
+  __nv_bfloat16* dout16 = p.dout.dtype == DType::f32 ? pass.ws<__nv_bfloat16>(w.dout16) : nullptr;
+  float* delta = pass.ws<float>(w.delta);
+  const float scale = topo.attention_scale();
+  const BackwardArgs a{
+      .chunks = pass.chunks,
+      .q = p.q.as<const __nv_bfloat16>(), .k = p.k.as<const __nv_bfloat16>(), .v = p.v.as<const __nv_bfloat16>(),
+      .dout = dout16 ? dout16 : p.dout.as<const __nv_bfloat16>(),
+      .lse = p.lse.as<const float>(), .delta = delta,
+      .dq_acc = pass.ws<float>(w.dq_acc), .dk_acc = pass.ws<float>(w.dk_acc), .dv_acc = pass.ws<float>(w.dv_acc),
+      .dq_part = pass.ws<__nv_bfloat16>(w.dq_part), .kv_chunks = pass.ws<float>(w.kv_chunks),
+      .Hq = Hq, .Hkv = Hkv, .scale = scale, .scale_log2 = scale * math::kLog2e,
+      .deterministic = pass.deterministic};
   const int64_t rows = Tq * Hq;
-  float* delta = ws<float>(st, w.delta);
   if (rows > 0) {
     const bool of = p.out.dtype == DType::f32, df = p.dout.dtype == DType::f32;
-    if (of && df) launch_prepare<float, float>(p, rows, delta, dout16, s);
-    else if (of) launch_prepare<float, __nv_bfloat16>(p, rows, delta, dout16, s);
-    else if (df) launch_prepare<__nv_bfloat16, float>(p, rows, delta, dout16, s);
-    else launch_prepare<__nv_bfloat16, __nv_bfloat16>(p, rows, delta, dout16, s);
+    if (of && df) launch_prepare<float, float>(p, rows, delta, dout16, pass.stream);
+    else if (of) launch_prepare<float, __nv_bfloat16>(p, rows, delta, dout16, pass.stream);
+    else if (df) launch_prepare<__nv_bfloat16, float>(p, rows, delta, dout16, pass.stream);
+    else launch_prepare<__nv_bfloat16, __nv_bfloat16>(p, rows, delta, dout16, pass.stream);
   }
-  if (!opt.deterministic) {
-    MSA_CUDA_CHECK(cudaMemsetAsync(a.dq_acc, 0, size_t(Tq * Hq * kHeadDim * 4), s));
-    MSA_CUDA_CHECK(cudaMemsetAsync(a.dk_acc, 0, size_t(Tk * Hkv * kHeadDim * 4), s));
-    MSA_CUDA_CHECK(cudaMemsetAsync(a.dv_acc, 0, size_t(Tk * Hkv * kHeadDim * 4), s));
-  }
-  launch_chunk_walker(backward_chunks_kernel, a, kSmemBytes, st, s, "backward_chunks_kernel launch");
-
-  GradientReduction r = GradientReduction::of_plan(plan, st, L, Hkv, opt.deterministic, ws<float>(st, w.kv_rows));
-  r.query_out = p.dq;
-  r.query_acc = a.dq_acc;
-  r.query_parts = a.dq_part;
-  r.query_part_dtype = DType::bf16;
-  r.query_heads_per_kv_head = kGroupSize;
-  r.key_parts = 2;
-  r.key_out[0] = p.dk;
-  r.key_out[1] = p.dv;
-  r.key_acc[0] = a.dk_acc;
-  r.key_acc[1] = a.dv_acc;
-  r.key_chunks = a.kv_chunks;
-  reduce_gradients(r, s);
+  pass.zero_accumulator(a.dq_acc, Tq * Hq * kHeadDim);
+  pass.zero_accumulator(a.dk_acc, Tk * Hkv * kHeadDim);
+  pass.zero_accumulator(a.dv_acc, Tk * Hkv * kHeadDim);
+  pass.launch(backward_chunks_kernel, a, kSmemBytes, "backward_chunks_kernel launch");
+  pass.reduce(Hkv,
+              {.out = p.dq, .acc = a.dq_acc, .parts = a.dq_part, .part_dtype = DType::bf16,
+               .heads_per_kv_head = kGroupSize},
+              {.count = 2, .out = {p.dk, p.dv}, .acc = {a.dk_acc, a.dv_acc}, .chunks = a.kv_chunks});
 }
 
 }  // namespace msa::cuda

@@ -12,6 +12,7 @@
 // Default mode: fp32 atomics. Deterministic mode: per-edge slots for d index_q and per-chunk
 // slots for d index_k, reduced in a fixed order by reduce_gradients.
 #include "backend.h"
+#include "cuda/backward_steps.cuh"
 #include "cuda/chunk_walker.cuh"
 #include "cuda/common.cuh"
 #include "cuda/device.cuh"
@@ -269,49 +270,28 @@ __global__ void __launch_bounds__(kThreads, 1) kl_chunks_kernel(const __grid_con
 
 void kl_backward(const Topology& topo, const PackedLayout& L, const SparsePlan& plan, const KlBackwardParams& p,
                  const RunOptions& opt) {
-  DeviceGuard guard(p.q.device.index);
-  const PlanState& st = plan_state(plan);
-  const cudaStream_t s = as_stream(opt);
-  const int64_t Tq = L.total_q(), Tk = L.total_k();
+  const ChunkPass pass(p.q, topo, L, plan, opt);
+  const WorkspaceLayout& w = pass.w;
+  const int64_t Tq = pass.total_q, Tk = pass.total_k;
   const int Hkv = topo.num_kv_heads, Hi = topo.num_index_heads;
-  const WorkspaceLayout w = workspace_layout(topo, L);
-  KlArgs a{};
-  a.chunks = chunk_list(plan, st, Tq);
-  a.q = p.q.as<const __nv_bfloat16>();
-  a.k = p.k.as<const __nv_bfloat16>();
-  a.lse = p.lse.as<const float>();
-  a.iq = p.index_q.as<const __nv_bfloat16>();
-  a.ik = p.index_k.as<const __nv_bfloat16>();
-  a.index_lse = p.index_lse.as<const float>();
-  a.dqi_acc = ws<float>(st, w.dqi_acc);
-  a.dki_acc = ws<float>(st, w.dki_acc);
-  a.dqi_part = ws<float>(st, w.dqi_part);
-  a.ki_chunks = ws<float>(st, w.kv_chunks);
-  a.Hq = topo.num_q_heads;
-  a.Hkv = Hkv;
-  a.scale_log2 = topo.attention_scale() * math::kLog2e;
-  a.index_scale = topo.indexer_scale();
-  a.index_scale_log2 = a.index_scale * math::kLog2e;
-  a.grad_scale = p.grad_scale > 0 ? p.grad_scale : (Tq > 0 ? 1.0f / float(int64_t(Hi) * Tq) : 0.f);
-  a.deterministic = opt.deterministic;
-  if (!opt.deterministic) {
-    MSA_CUDA_CHECK(cudaMemsetAsync(a.dqi_acc, 0, size_t(Tq * Hi * kHeadDim * 4), s));
-    MSA_CUDA_CHECK(cudaMemsetAsync(a.dki_acc, 0, size_t(Tk * kHeadDim * 4), s));
-  }
-  launch_chunk_walker(kl_chunks_kernel, a, kSmemBytes, st, s, "kl_chunks_kernel launch");
-
-  GradientReduction r = GradientReduction::of_plan(plan, st, L, Hkv, opt.deterministic, ws<float>(st, w.kv_rows));
-  r.query_out = p.dindex_q;
-  r.query_acc = a.dqi_acc;
-  r.query_parts = a.dqi_part;
-  r.query_part_dtype = DType::f32;
-  r.query_heads_per_kv_head = 1;  // index head g belongs to KV head g
-  r.key_parts = 1;
-  r.key_out[0] = p.dindex_k;
-  r.key_acc[0] = a.dki_acc;
-  r.key_chunks = a.ki_chunks;
-  r.sum_kv_heads = true;  // one index key per token, read by every index head
-  reduce_gradients(r, s);
+  const float index_scale = topo.indexer_scale();
+  const float grad_scale = p.grad_scale > 0 ? p.grad_scale : (Tq > 0 ? 1.0f / float(int64_t(Hi) * Tq) : 0.f);
+  const KlArgs a{
+      .chunks = pass.chunks,
+      .q = p.q.as<const __nv_bfloat16>(), .k = p.k.as<const __nv_bfloat16>(), .lse = p.lse.as<const float>(),
+      .iq = p.index_q.as<const __nv_bfloat16>(), .ik = p.index_k.as<const __nv_bfloat16>(),
+      .index_lse = p.index_lse.as<const float>(),
+      .dqi_acc = pass.ws<float>(w.dqi_acc), .dki_acc = pass.ws<float>(w.dki_acc),
+      .dqi_part = pass.ws<float>(w.dqi_part), .ki_chunks = pass.ws<float>(w.kv_chunks),
+      .Hq = topo.num_q_heads, .Hkv = Hkv, .scale_log2 = topo.attention_scale() * math::kLog2e,
+      .index_scale = index_scale, .index_scale_log2 = index_scale * math::kLog2e, .grad_scale = grad_scale,
+      .deterministic = pass.deterministic};
+  pass.zero_accumulator(a.dqi_acc, Tq * Hi * kHeadDim);
+  pass.zero_accumulator(a.dki_acc, Tk * kHeadDim);
+  pass.launch(kl_chunks_kernel, a, kSmemBytes, "kl_chunks_kernel launch");
+  // Index head g belongs to KV head g; one index key per token, read by every index head.
+  pass.reduce(Hkv, {.out = p.dindex_q, .acc = a.dqi_acc, .parts = a.dqi_part, .part_dtype = DType::f32},
+              {.count = 1, .out = {p.dindex_k}, .acc = {a.dki_acc}, .chunks = a.ki_chunks, .sum_kv_heads = true});
 }
 
 }  // namespace msa::cuda

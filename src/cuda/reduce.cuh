@@ -114,6 +114,25 @@ inline void convert_out(const float* src, const TensorView& dst, const int32_t* 
   else launch_convert<__nv_bfloat16>(src, dst, status, s);
 }
 
+// What a backward or KL pass accumulated of the gradient of its queries: out [total_q,
+// heads, 128] from fp32 accumulators (default mode) or from per-edge partial slots.
+struct QueryGradients {
+  TensorView out;
+  const float* acc = nullptr;   // default mode: [total_q, heads, 128] f32
+  const void* parts = nullptr;  // deterministic: [kTopk, total_q, heads, 128] of part_dtype
+  DType part_dtype = DType::f32;
+  int heads_per_kv_head = 1;    // query heads whose edges one split count numbers
+};
+
+// ... and of its keys: `count` outputs [total_k, heads, 128] (dk and dv, or d index_k alone).
+struct KeyGradients {
+  int count = 1;
+  TensorView out[2];
+  const float* acc[2] = {nullptr, nullptr};  // default mode: [total_k, heads, 128] f32
+  const float* chunks = nullptr;             // deterministic: [chunks, count, 128, 128]
+  bool sum_kv_heads = false;                 // one output row per token: the sum over KV heads
+};
+
 // How a backward or KL pass turns what its chunk kernel accumulated into the outputs.
 // Default mode: fp32 accumulators filled with atomics, converted to the output dtype.
 // Deterministic mode: the per-edge query partials summed in slot order, the per-chunk key
@@ -125,52 +144,26 @@ struct GradientReduction {
   int64_t total_q = 0, total_k = 0;
   int num_kv_heads = 0;
   bool deterministic = false;
-
-  // Query side: query_out [total_q, heads, 128].
-  TensorView query_out;
-  const float* query_acc = nullptr;       // default mode: [total_q, heads, 128] f32
-  const void* query_parts = nullptr;      // deterministic: [kTopk, total_q, heads, 128] of query_part_dtype
-  DType query_part_dtype = DType::f32;
-  int query_heads_per_kv_head = 1;        // query heads whose edges one split count numbers
-
-  // Key side: key_parts outputs [total_k, heads, 128] (dk and dv, or d index_k alone).
-  int key_parts = 1;
-  TensorView key_out[2];
-  const float* key_acc[2] = {nullptr, nullptr};  // default mode: [total_k, heads, 128] f32
-  const float* key_chunks = nullptr;             // deterministic: [chunks, key_parts, 128, 128]
-  float* key_rows = nullptr;                     // deterministic scratch: [Hkv, total_rows, key_parts, 128, 128]
-  bool sum_kv_heads = false;                     // one output row per token: the sum over KV heads
-
-  // The plan-wide fields; the caller adds its query and key sides.
-  static GradientReduction of_plan(const SparsePlan& plan, const PlanState& st, const PackedLayout& L,
-                                   int num_kv_heads, bool deterministic, float* key_rows) {
-    GradientReduction r;
-    r.plan = &plan;
-    r.state = &st;
-    r.total_q = L.total_q();
-    r.total_k = L.total_k();
-    r.num_kv_heads = num_kv_heads;
-    r.deterministic = deterministic;
-    r.key_rows = key_rows;
-    return r;
-  }
+  float* key_rows = nullptr;  // deterministic scratch: [Hkv, total_rows, keys.count, 128, 128]
+  QueryGradients query;
+  KeyGradients keys;
 };
 
 template <typename Part>
 void launch_sum_slots(const GradientReduction& r, const int32_t* status, cudaStream_t s) {
-  const TensorView& out = r.query_out;
+  const TensorView& out = r.query.out;
   const int64_t n = out.numel();
   if (n == 0) return;
-  const auto* parts = static_cast<const Part*>(r.query_parts);
+  const auto* parts = static_cast<const Part*>(r.query.parts);
   const int heads = int(out.shape[1]);
   const int32_t* counts = i32(r.plan->split_counts);
   if (out.dtype == DType::f32)
     sum_slots_kernel<Part, float><<<grid_for(n, 256), 256, 0, s>>>(parts, counts, status, r.total_q, heads,
-                                                                   r.num_kv_heads, r.query_heads_per_kv_head, 1.f,
+                                                                   r.num_kv_heads, r.query.heads_per_kv_head, 1.f,
                                                                    out.as<float>());
   else
     sum_slots_kernel<Part, __nv_bfloat16><<<grid_for(n, 256), 256, 0, s>>>(
-        parts, counts, status, r.total_q, heads, r.num_kv_heads, r.query_heads_per_kv_head, 1.f,
+        parts, counts, status, r.total_q, heads, r.num_kv_heads, r.query.heads_per_kv_head, 1.f,
         out.as<__nv_bfloat16>());
   MSA_CUDA_CHECK_LAUNCH("sum_slots_kernel");
 }
@@ -178,31 +171,32 @@ void launch_sum_slots(const GradientReduction& r, const int32_t* status, cudaStr
 template <typename Out>
 void launch_gather_keys(const GradientReduction& r, const int32_t* status, cudaStream_t s) {
   const PlanState& st = *r.state;
-  Out* out1 = r.key_out[r.key_parts > 1 ? 1 : 0].as<Out>();
+  const KeyGradients& k = r.keys;
+  Out* out1 = k.out[k.count > 1 ? 1 : 0].as<Out>();
   gather_keys_kernel<Out><<<int(r.total_k), 128, 0, s>>>(r.key_rows, doc_ptr(st), st.num_documents,
                                                          i32(st.doc_row_base), i32(st.row_of), r.plan->total_rows,
-                                                         r.num_kv_heads, r.key_parts, r.sum_kv_heads, status,
-                                                         r.key_out[0].as<Out>(), out1);
+                                                         r.num_kv_heads, k.count, k.sum_kv_heads, status,
+                                                         k.out[0].as<Out>(), out1);
   MSA_CUDA_CHECK_LAUNCH("gather_keys_kernel");
 }
 
 inline void reduce_gradients(const GradientReduction& r, cudaStream_t s) {
   const int32_t* status = i32(r.plan->status);
   if (!r.deterministic) {
-    convert_out(r.query_acc, r.query_out, status, s);
-    for (int m = 0; m < r.key_parts; ++m) convert_out(r.key_acc[m], r.key_out[m], status, s);
+    convert_out(r.query.acc, r.query.out, status, s);
+    for (int m = 0; m < r.keys.count; ++m) convert_out(r.keys.acc[m], r.keys.out[m], status, s);
     return;
   }
-  if (r.query_part_dtype == DType::bf16) launch_sum_slots<__nv_bfloat16>(r, status, s);
+  if (r.query.part_dtype == DType::bf16) launch_sum_slots<__nv_bfloat16>(r, status, s);
   else launch_sum_slots<float>(r, status, s);
   const PlanState& st = *r.state;
   if (r.plan->total_rows > 0) {
     sum_chunks_kernel<<<int(r.num_kv_heads * r.plan->total_rows), 256, 0, s>>>(
-        r.key_chunks, i32(st.chunk_first), i32(st.chunk_nfull), i32(st.chunk_tail), r.key_parts, r.key_rows);
+        r.keys.chunks, i32(st.chunk_first), i32(st.chunk_nfull), i32(st.chunk_tail), r.keys.count, r.key_rows);
     MSA_CUDA_CHECK_LAUNCH("sum_chunks_kernel");
   }
   if (r.total_k > 0) {
-    if (r.key_out[0].dtype == DType::f32) launch_gather_keys<float>(r, status, s);
+    if (r.keys.out[0].dtype == DType::f32) launch_gather_keys<float>(r, status, s);
     else launch_gather_keys<__nv_bfloat16>(r, status, s);
   }
 }
