@@ -25,7 +25,6 @@ namespace {
 using model::kBlockSize;
 using model::kGroupSize;
 using model::kHeadDim;
-constexpr int kThreads = kWalkerThreads;
 constexpr int kLastKey = kBlockSize - 1;
 
 struct BackwardArgs {
@@ -54,6 +53,58 @@ struct BackwardStorage {
   QueryMeta meta[1][kWalkerWarps];
 };
 constexpr int kSmemBytes = storage_smem_bytes<BackwardStorage>();
+
+// The steps of a sub-chunk, in order. Warp w holds rows 16w..16w+15 of the sub-chunk (query
+// w) in its fragments; `hh` picks a half of 64 keys (P, dS) or of 64 dims (dQ).
+
+// P (bf16) of keys 64hh..64hh+63 of the warp's rows from their scores S, into the P tile; 0
+// past the row's limit.
+__device__ __forceinline__ void store_p(const WalkerThread& th, uint32_t ps, const float (&s)[8][4], int hh,
+                                        float scale_log2, float la, float lb, int lim) {
+  uint32_t pk[8][2];  // bf16 pairs of rows r0 and r0 + 8
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int col = (8 * hh + i) * 8 + 2 * th.t;
+    float p0 = softmax_p(s[i][0], scale_log2, la), p1 = softmax_p(s[i][1], scale_log2, la);
+    float p2 = softmax_p(s[i][2], scale_log2, lb), p3 = softmax_p(s[i][3], scale_log2, lb);
+    if (lim < kLastKey) {
+      if (col > lim) p0 = p2 = 0.f;
+      if (col + 1 > lim) p1 = p3 = 0.f;
+    }
+    pk[i][0] = pack_bf16(p0, p1);
+    pk[i][1] = pack_bf16(p2, p3);
+  }
+#pragma unroll
+  for (int k = 0; k < 4; ++k)
+    store_rows_x16(ps, kSubRows, th.r16, 4 * hh + k, th.lane, pk[2 * k][0], pk[2 * k][1], pk[2 * k + 1][0],
+                   pk[2 * k + 1][1]);
+}
+
+// dS = P (dP - D) of keys 64hh.. into the dS tile, 0 past the row's limit (dP may be NaN there).
+__device__ __forceinline__ void store_ds(const WalkerThread& th, uint32_t ps, uint32_t dss, const float (&dp)[8][4],
+                                         int hh, HeadPair del, int lim) {
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    // The warp reads back its own rows of P in the accumulator layout: pr = (row r0, tile
+    // 2k), (row r0 + 8, tile 2k), then tile 2k + 1.
+    uint32_t pr[4], dsr[4];
+    load_a(pr, ps, kSubRows, th.r16, (8 * hh + 2 * k) * 8, th.lane);
+#pragma unroll
+    for (int h = 0; h < 4; ++h) {
+      const float(&dph)[4] = dp[2 * k + (h >> 1)];
+      const float d = (h & 1) ? del.b : del.a;
+      const __nv_bfloat162 pv = *reinterpret_cast<const __nv_bfloat162*>(&pr[h]);
+      const int e = (h & 1) * 2, col = (8 * hh + 2 * k + (h >> 1)) * 8 + 2 * th.t;
+      float d0 = __low2float(pv) * (dph[e] - d), d1 = __high2float(pv) * (dph[e + 1] - d);
+      if (lim < kLastKey) {
+        d0 = col <= lim ? d0 : 0.f;
+        d1 = col + 1 <= lim ? d1 : 0.f;
+      }
+      dsr[h] = pack_bf16(d0, d1);
+    }
+    store_rows_x16(dss, kSubRows, th.r16, 4 * hh + k, th.lane, dsr[0], dsr[1], dsr[2], dsr[3]);
+  }
+}
 
 // dV += P^T dO and dK += dS^T Q for the 64 keys of warpgroup wg (column half wg of the P and
 // dS tiles): P^T and dS^T are read transposed from their [rows, keys] tiles and dO, Q from
@@ -88,11 +139,9 @@ __device__ __forceinline__ void dq_half(float (&dq)[8][4], uint32_t dss, uint32_
 }
 
 // The backward of one CTA as the chunk walker drives it.
-struct BackwardChunks {
+struct BackwardChunks : WalkerThread {
   const BackwardArgs& a;
   const uint32_t ks, vs, qs, dos, ps, dss, kfs;
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, t = lane & 3, r0 = lane >> 2;
-  const int r16 = kGroupSize * warp, wg_row = 64 * (warp >> 2);
   uint32_t k_dq = 0;  // the K tile dQ reads: ks, or kfs
   float dk[16][4], dv[16][4];
 
@@ -102,91 +151,38 @@ struct BackwardChunks {
 
   __device__ void load_block(const Chunk& ch) {
     k_dq = ks;
-    const int64_t off = (ch.key_token(0) * a.Hkv + ch.head_kv) * kHeadDim;
-    load_tile_async(ks, kBlockSize, 0, a.k + off, int64_t(a.Hkv) * kHeadDim, kBlockSize, ch.nkeys, tid, kThreads);
-    load_tile_async(vs, kBlockSize, 0, a.v + off, int64_t(a.Hkv) * kHeadDim, kBlockSize, ch.nkeys, tid, kThreads);
+    const KeyBlockRows keys(ch, a.Hkv, ch.head_kv);
+    keys.load(ks, a.k, *this);
+    keys.load(vs, a.v, *this);
   }
   __device__ void load_queries(const Chunk& ch, SlotQuery query, int) {
-    const int64_t off = (int64_t(query.row) * a.Hq + kGroupSize * ch.head_kv) * kHeadDim;
-    const int rows = query.valid ? kGroupSize : 0;
-    load_tile_async(qs, kSubRows, r16, a.q + off, kHeadDim, kGroupSize, rows, lane, 32);
-    load_tile_async(dos, kSubRows, r16, a.dout + off, kHeadDim, kGroupSize, rows, lane, 32);
+    const QueryHeadRows heads(ch, query, a.Hq);
+    heads.load(qs, a.q, *this);
+    heads.load(dos, a.dout, *this);
   }
   __device__ void begin_chunk(const Chunk&) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dk[i][e] = dv[i][e] = 0.f;
+    zero(dk);
+    zero(dv);
   }
-  __device__ void masked_block_ready(const Chunk&) { k_dq = finite_copy<kBlockSize>(ks, kfs) ? kfs : ks; }
-
-  // P (bf16) of keys 64hh..64hh+63 of the warp's 16 rows into the P tile, 0 past `lim`.
-  __device__ void write_p(const float (&s)[8][4], int hh, float la, float lb, int lim) {
-    uint32_t pk[8][2];  // bf16 pairs of rows r0 and r0 + 8
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const int col = (8 * hh + i) * 8 + 2 * t;
-      float p0 = fast_exp2(s[i][0] * a.scale_log2 - la), p1 = fast_exp2(s[i][1] * a.scale_log2 - la);
-      float p2 = fast_exp2(s[i][2] * a.scale_log2 - lb), p3 = fast_exp2(s[i][3] * a.scale_log2 - lb);
-      if (lim < kLastKey) {
-        if (col > lim) p0 = p2 = 0.f;
-        if (col + 1 > lim) p1 = p3 = 0.f;
-      }
-      pk[i][0] = pack_bf16(p0, p1);
-      pk[i][1] = pack_bf16(p2, p3);
-    }
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-      store_rows_x16(ps, kSubRows, r16, 4 * hh + k, lane, pk[2 * k][0], pk[2 * k][1], pk[2 * k + 1][0], pk[2 * k + 1][1]);
-  }
-
-  // dS = P (dP - D) of keys 64hh.. into the dS tile, 0 past `lim` (dP may be NaN there).
-  __device__ void write_ds(const float (&dp)[8][4], int hh, float del_a, float del_b, int lim) {
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      // The warp reads back its own rows of P in the accumulator layout: pr = (row r0, tile
-      // 2k), (row r0 + 8, tile 2k), then tile 2k + 1.
-      uint32_t pr[4], dsr[4];
-      load_a(pr, ps, kSubRows, r16, (8 * hh + 2 * k) * 8, lane);
-#pragma unroll
-      for (int h = 0; h < 4; ++h) {
-        const float(&dph)[4] = dp[2 * k + (h >> 1)];
-        const float del = (h & 1) ? del_b : del_a;
-        const __nv_bfloat162 pv = *reinterpret_cast<const __nv_bfloat162*>(&pr[h]);
-        const int e = (h & 1) * 2, col = (8 * hh + 2 * k + (h >> 1)) * 8 + 2 * t;
-        float d0 = __low2float(pv) * (dph[e] - del), d1 = __high2float(pv) * (dph[e + 1] - del);
-        if (lim < kLastKey) {
-          d0 = col <= lim ? d0 : 0.f;
-          d1 = col + 1 <= lim ? d1 : 0.f;
-        }
-        dsr[h] = pack_bf16(d0, d1);
-      }
-      store_rows_x16(dss, kSubRows, r16, 4 * hh + k, lane, dsr[0], dsr[1], dsr[2], dsr[3]);
-    }
-  }
+  __device__ void masked_block_ready(const Chunk&) { k_dq = finite_operand<kBlockSize>(ks, kfs); }
 
   template <class Release>
   __device__ void sub_chunk(const Chunk& ch, int, const QueryMeta (&meta)[kWalkerWarps], Release&& release) {
-    const int row = meta[warp].row, slot = meta[warp].slot, limit = meta[warp].limit;
-    const int64_t hrow = int64_t(max(row, 0)) * a.Hq + kGroupSize * ch.head_kv + r0;  // head r0; r0 + 8 is +8
-    const float lse_a = row >= 0 ? a.lse[hrow] : 0.f, lse_b = row >= 0 ? a.lse[hrow + 8] : 0.f;
-    const float del_a = row >= 0 ? a.delta[hrow] : 0.f, del_b = row >= 0 ? a.delta[hrow + 8] : 0.f;
-    const int lim = row < 0 ? -1 : limit;  // an empty slot sees no key
-    // S and P in two halves of 64 keys; a row whose LSE is -inf gets P = 0.
-    const float la = lse_a == -INFINITY ? INFINITY : lse_a * math::kLog2e;
-    const float lb = lse_b == -INFINITY ? INFINITY : lse_b * math::kLog2e;
+    const HeadRows rows = head_rows(meta[warp], a.Hq, ch, *this);
+    const HeadPair lse = head_values(a.lse, rows, 0.f), del = head_values(a.delta, rows, 0.f);
+    const float la = lse_log2(lse.a), lb = lse_log2(lse.b);
+    // S = Q K^T and P, then dP = dO V^T and dS = P (dP - D), each in two halves of 64 keys.
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       float s[8][4];
       wgmma_rows_x64(s, qs, kSubRows, wg_row, ks, kBlockSize, 64 * hh);
-      write_p(s, hh, la, lb, lim);
+      store_p(*this, ps, s, hh, a.scale_log2, la, lb, rows.lim);
     }
-    // dP = dO V^T and dS, in two halves of 64 keys.
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       float dp[8][4];
       wgmma_rows_x64(dp, dos, kSubRows, wg_row, vs, kBlockSize, 64 * hh);
-      write_ds(dp, hh, del_a, del_b, lim);
+      store_ds(*this, ps, dss, dp, hh, del, rows.lim);
     }
     fence_proxy_async();  // P and dS are read by wgmma next
     __syncthreads();
@@ -198,55 +194,21 @@ struct BackwardChunks {
     for (int hh = 0; hh < 2; ++hh) {
       float dq[8][4];
       dq_half(dq, dss, k_dq, wg_row, hh);
-      if (row < 0) continue;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const int dim = hh * 64 + i * 8 + 2 * t;
-        if (a.deterministic) {
-          __nv_bfloat16* dst = a.dq_part + (int64_t(slot) * a.chunks.total_q * a.Hq + hrow) * kHeadDim + dim;
-          *reinterpret_cast<uint32_t*>(dst) = pack_bf16(dq[i][0] * a.scale, dq[i][1] * a.scale);
-          *reinterpret_cast<uint32_t*>(dst + 8 * kHeadDim) = pack_bf16(dq[i][2] * a.scale, dq[i][3] * a.scale);
-        } else {
-          atomicAdd(reinterpret_cast<float2*>(a.dq_acc + hrow * kHeadDim + dim),
-                    make_float2(dq[i][0] * a.scale, dq[i][1] * a.scale));
-          atomicAdd(reinterpret_cast<float2*>(a.dq_acc + (hrow + 8) * kHeadDim + dim),
-                    make_float2(dq[i][2] * a.scale, dq[i][3] * a.scale));
-        }
-      }
+      if (rows.row < 0) continue;  // an empty slot has no edge
+      store_query_grad<&BackwardArgs::dq_part, &BackwardArgs::dq_acc, &BackwardArgs::scale, &BackwardArgs::Hq, 2>(
+          a, *this, dq, rows.slot, rows.hrow, 64 * hh);
     }
   }
 
-  // dK, dV of the chunk's keys: keys 16w + r0 and 16w + r0 + 8 of warp w.
+  // dK = scale dS^T Q and dV of the chunk's keys.
   __device__ void flush(const Chunk& ch) {
-    const int key_a = warp * 16 + r0, key_b = key_a + 8;
-    constexpr int64_t kPart = int64_t(kBlockSize) * kHeadDim;
-#pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
-      const int dim = nt * 8 + 2 * t;
-      if (a.deterministic) {
-        float* dk_c = a.kv_chunks + int64_t(ch.index) * 2 * kPart;
-        float* dv_c = dk_c + kPart;
-        *reinterpret_cast<float2*>(dk_c + key_a * kHeadDim + dim) = make_float2(dk[nt][0] * a.scale, dk[nt][1] * a.scale);
-        *reinterpret_cast<float2*>(dk_c + key_b * kHeadDim + dim) = make_float2(dk[nt][2] * a.scale, dk[nt][3] * a.scale);
-        *reinterpret_cast<float2*>(dv_c + key_a * kHeadDim + dim) = make_float2(dv[nt][0], dv[nt][1]);
-        *reinterpret_cast<float2*>(dv_c + key_b * kHeadDim + dim) = make_float2(dv[nt][2], dv[nt][3]);
-      } else {
-        if (key_a < ch.nkeys) {
-          const int64_t o = (ch.key_token(key_a) * a.Hkv + ch.head_kv) * kHeadDim + dim;
-          atomicAdd(reinterpret_cast<float2*>(a.dk_acc + o), make_float2(dk[nt][0] * a.scale, dk[nt][1] * a.scale));
-          atomicAdd(reinterpret_cast<float2*>(a.dv_acc + o), make_float2(dv[nt][0], dv[nt][1]));
-        }
-        if (key_b < ch.nkeys) {
-          const int64_t o = (ch.key_token(key_b) * a.Hkv + ch.head_kv) * kHeadDim + dim;
-          atomicAdd(reinterpret_cast<float2*>(a.dk_acc + o), make_float2(dk[nt][2] * a.scale, dk[nt][3] * a.scale));
-          atomicAdd(reinterpret_cast<float2*>(a.dv_acc + o), make_float2(dv[nt][2], dv[nt][3]));
-        }
-      }
-    }
+    using Args = BackwardArgs;
+    store_key_grads<&Args::kv_chunks, &Args::Hkv>(*this, ch, KeyGradient<&Args::dk_acc, &Args::scale>{dk},
+                                                  KeyGradient<&Args::dv_acc>{dv});
   }
 };
 
-__global__ void __launch_bounds__(kThreads, 1) backward_chunks_kernel(const __grid_constant__ BackwardArgs a) {
+__global__ void __launch_bounds__(kWalkerThreads, 1) backward_chunks_kernel(const __grid_constant__ BackwardArgs a) {
   extern __shared__ __align__(128) unsigned char smem[];
   if (a.chunks.status[0] != 0) return;
   BackwardStorage& s = shared_storage<BackwardStorage>(smem);

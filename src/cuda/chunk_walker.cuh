@@ -16,6 +16,7 @@
 // With kStages == 1 release() refills the only stage with the next sub-chunk; with
 // kStages == 2 the next sub-chunk is already loading into the other stage and release()
 // refills this one with the sub-chunk after it.
+// The steps that the two kernels share inside these hooks: backward_steps.cuh.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -26,7 +26,6 @@ namespace {
 using model::kBlockSize;
 using model::kGroupSize;
 using model::kHeadDim;
-constexpr int kThreads = kWalkerThreads;
 constexpr int kStages = 2;  // the next sub-chunk loads while this one is computed
 using QueryTile = SwizzledTile<16>;  // m16 operand: row r = query r of the sub-chunk, rows 8..15 zero
 static_assert(kSubQueries <= QueryTile::kRowCount, "one row per query of a sub-chunk");
@@ -82,12 +81,112 @@ __device__ __forceinline__ void fold_half(float (&v)[32], int lane) {
   }
 }
 
-struct KlChunks {
+// The steps of a sub-chunk, in order.
+
+// Teacher of warp w's query: column sums of exp(S scale - lse) over its 16 heads, visible
+// keys only (selected, never multiplied: S may be NaN on a masked key). Branch-free: the
+// exponentials are not duplicated per condition.
+__device__ __forceinline__ void teacher_row(const KlArgs& a, const WalkerThread& th, const Chunk& ch, uint32_t qs,
+                                            uint32_t ks, const QueryMeta& m, float (&teacher)[kBlockSize]) {
+  float s[16][4], colsum[32];  // colsum[2 nt + e]: column nt * 8 + 2t + e, this lane's 2 heads
+  wgmma_rows_x128(s, qs, kSubRows, th.wg_row, ks, kBlockSize, 0);
+  const HeadRows rows = head_rows(m, a.Hq, ch, th);
+  const HeadPair lse = head_values(a.lse, rows, -INFINITY);
+  const float la = lse_log2(lse.a), lb = lse_log2(lse.b);
+#pragma unroll
+  for (int nt = 0; nt < 16; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const bool vis = nt * 8 + 2 * th.t + e <= rows.lim;
+      const float pa = softmax_p(s[nt][e], a.scale_log2, la), pb = softmax_p(s[nt][2 + e], a.scale_log2, lb);
+      colsum[2 * nt + e] = vis ? pa + pb : 0.f;
+    }
+  // Sum over the 8 lanes of a column group (r0 = lane bits 2..4) by halving: per lane bit,
+  // a lane keeps the half of its values that the bit selects and adds its partner's copy of
+  // it, so that lane r0 ends with columns 2 r0 and 2 r0 + 1 of every t (colsum[0..3]). Every
+  // lane stores: no lane-dependent branch around the shuffles, whose divergent form (the
+  // compiler unswitched an `if (r0 == 0)` store over them) kept the warp split through the
+  // rest of the sub-chunk.
+  fold_half<16>(colsum, th.lane);
+  fold_half<8>(colsum, th.lane);
+  fold_half<4>(colsum, th.lane);
+  constexpr float kMean = 1.f / kGroupSize;
+  const int col = 16 * th.r0 + 2 * th.t;  // column (2 r0) * 8 + 2t
+  *reinterpret_cast<float2*>(&teacher[col]) = make_float2(colsum[0] * kMean, colsum[1] * kMean);
+  *reinterpret_cast<float2*>(&teacher[col + 8]) = make_float2(colsum[2] * kMean, colsum[3] * kMean);
+}
+
+// Student and ds of all 8 queries on keys 16w..16w+15 (row r0 = query r0, meta m) into the
+// ds tile.
+__device__ __forceinline__ void student_ds(const KlArgs& a, const WalkerThread& th, const Chunk& ch, uint32_t iqs,
+                                           uint32_t iks, uint32_t dst, const QueryMeta& m,
+                                           const float (&teacher)[kSubQueries][kBlockSize]) {
+  float si[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+  for (int kt = 0; kt < 8; ++kt) {
+    uint32_t af[4], bf[4];
+    load_a(af, iqs, 16, 0, kt * 16, th.lane);
+    load_b_nk(bf, iks, kBlockSize, th.warp * 16, kt * 16, th.lane);
+    mma_bf16(si[0], af, bf[0], bf[1]);
+    mma_bf16(si[1], af, bf[2], bf[3]);
+  }
+  const float il = m.row >= 0 ? a.index_lse[int64_t(ch.head_kv) * a.chunks.total_q + m.row] * math::kLog2e : -INFINITY;
+  const int limit = m.row >= 0 ? m.limit : -1;  // an empty slot sees no key
+  // ds selected by visibility: a masked key's score may be NaN and is never used.
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    float ds[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int col = th.warp * 16 + nt * 8 + 2 * th.t + e;
+      const float student = il == -INFINITY ? 0.f : fast_exp2(si[nt][e] * a.index_scale_log2 - il);
+      const float v = (student - teacher[th.r0][col]) * a.grad_scale;
+      ds[e] = col <= limit ? v : 0.f;
+    }
+    st_shared_u32(dst + tile_offset(16, th.r0, th.warp * 2 + nt) + 4 * th.t, pack_bf16(ds[0], ds[1]));
+  }
+}
+
+// d index_q = index_scale ds ki of the 8 edges (row r0 = query r0, meta m), dims 16w..16w+15.
+__device__ __forceinline__ void index_q_grad(const KlArgs& a, const WalkerThread& th, const Chunk& ch, uint32_t dst,
+                                             uint32_t ik_dq, const QueryMeta& m) {
+  float dq[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+  for (int kt = 0; kt < 8; ++kt) {
+    uint32_t af[4], bf[4];
+    load_a(af, dst, 16, 0, kt * 16, th.lane);
+    load_b_kn(bf, ik_dq, kBlockSize, kt * 16, th.warp * 16, th.lane);
+    mma_bf16(dq[0], af, bf[0], bf[1]);
+    mma_bf16(dq[1], af, bf[2], bf[3]);
+  }
+  // Stores of the slots that hold a query; no early return: d index_k's ldmatrix / mma.sync
+  // follow in sub_chunk and need the whole warp.
+  if (m.row >= 0) {
+    store_query_grad<&KlArgs::dqi_part, &KlArgs::dqi_acc, &KlArgs::index_scale, &KlArgs::Hkv, 1>(
+        a, th, dq, m.slot, QueryHead{m.row, ch.head_kv}, th.warp * 16);
+  }
+  __syncwarp();
+}
+
+// d index_k += ds^T qi (warp w: keys 16w..16w+15; k = the 16 query rows).
+__device__ __forceinline__ void accumulate_index_k(float (&dki)[16][4], const WalkerThread& th, uint32_t dst,
+                                                   uint32_t iqs) {
+  uint32_t af[4];
+  load_a_trans(af, dst, 16, th.warp * 16, 0, th.lane);
+#pragma unroll
+  for (int np = 0; np < 8; ++np) {
+    uint32_t bf[4];
+    load_b_kn(bf, iqs, 16, 0, np * 16, th.lane);
+    mma_bf16(dki[2 * np], af, bf[0], bf[1]);
+    mma_bf16(dki[2 * np + 1], af, bf[2], bf[3]);
+  }
+}
+
+// The KL backward of one CTA as the chunk walker drives it.
+struct KlChunks : WalkerThread {
   const KlArgs& a;
   const uint32_t ks, iks, qs0, iqs0, dst, ikfs;
   float (&teacher)[kSubQueries][kBlockSize];
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, t = lane & 3, r0 = lane >> 2;
-  const int r16 = kGroupSize * warp;
   uint32_t ik_dq = 0;  // the index-key tile d index_q reads: iks, or ikfs
   float dki[16][4];
 
@@ -95,7 +194,7 @@ struct KlChunks {
       : a(args), ks(smem_addr(&s.k)), iks(smem_addr(&s.ik)), qs0(smem_addr(&s.q[0])), iqs0(smem_addr(&s.iq[0])),
         dst(smem_addr(&s.ds)), ikfs(smem_addr(&s.ik_finite)), teacher(s.teacher) {
     // Rows 8..15 of the index-query and ds tiles stay zero.
-    for (int i = tid; i < 8 * 16; i += kThreads) {
+    for (int i = tid; i < 8 * 16; i += kWalkerThreads) {
       const int r = 8 + (i >> 4), c = i & 15;
       for (int st = 0; st < kStages; ++st) st_shared_v4_zero(iqs0 + st * sizeof(QueryTile) + tile_offset(16, r, c));
       st_shared_v4_zero(dst + tile_offset(16, r, c));
@@ -104,161 +203,42 @@ struct KlChunks {
 
   __device__ void load_block(const Chunk& ch) {
     ik_dq = iks;
-    load_tile_async(ks, kBlockSize, 0, a.k + (ch.key_token(0) * a.Hkv + ch.head_kv) * kHeadDim,
-                    int64_t(a.Hkv) * kHeadDim, kBlockSize, ch.nkeys, tid, kThreads);
-    load_tile_async(iks, kBlockSize, 0, a.ik + ch.key_token(0) * kHeadDim, kHeadDim, kBlockSize, ch.nkeys, tid,
-                    kThreads);
+    KeyBlockRows(ch, a.Hkv, ch.head_kv).load(ks, a.k, *this);
+    KeyBlockRows(ch, 1, 0).load(iks, a.ik, *this);  // one index key per token
   }
   // Q (16 heads) and the index query of warp w's query.
   __device__ void load_queries(const Chunk& ch, SlotQuery query, int st) {
-    const int64_t row = query.row;
-    load_tile_async(qs0 + st * sizeof(BlockTile), kSubRows, r16, a.q + (row * a.Hq + kGroupSize * ch.head_kv) * kHeadDim,
-                    kHeadDim, kGroupSize, query.valid ? kGroupSize : 0, lane, 32);
+    QueryHeadRows(ch, query, a.Hq).load(qs0 + st * sizeof(BlockTile), a.q, *this);
     if (lane < 16) {
-      const __nv_bfloat16* src = a.iq + (row * a.Hkv + ch.head_kv) * kHeadDim + lane * 8;
+      const __nv_bfloat16* src = a.iq + (int64_t(query.row) * a.Hkv + ch.head_kv) * kHeadDim + lane * 8;
       cp_async16(iqs0 + st * sizeof(QueryTile) + tile_offset(16, warp, lane), query.valid ? src : a.iq,
                  query.valid ? 16 : 0);
     }
   }
-  __device__ void begin_chunk(const Chunk&) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) dki[i][0] = dki[i][1] = dki[i][2] = dki[i][3] = 0.f;
-  }
-  __device__ void masked_block_ready(const Chunk&) { ik_dq = finite_copy<kBlockSize>(iks, ikfs) ? ikfs : iks; }
-
-  // Teacher of warp w's query: column sums of exp(S scale - lse) over its 16 heads, visible
-  // keys only (selected, never multiplied: S may be NaN on a masked key). Branch-free: the
-  // exponentials are not duplicated per condition.
-  __device__ void teacher_row(const Chunk& ch, uint32_t qs, const QueryMeta& m) {
-    float s[16][4], colsum[32];  // colsum[2 nt + e]: column nt * 8 + 2t + e, this lane's 2 heads
-    wgmma_rows_x128(s, qs, kSubRows, 64 * (warp >> 2), ks, kBlockSize, 0);
-    const int row = m.row, limit = row >= 0 ? m.limit : -1;  // an empty slot sees no key
-    const int64_t hrow = int64_t(max(row, 0)) * a.Hq + kGroupSize * ch.head_kv + r0;
-    const float lse_a = row >= 0 ? a.lse[hrow] : -INFINITY, lse_b = row >= 0 ? a.lse[hrow + 8] : -INFINITY;
-    // A head whose LSE is -inf has no keys: exp2(x - inf) = 0.
-    const float la = lse_a == -INFINITY ? INFINITY : lse_a * math::kLog2e;
-    const float lb = lse_b == -INFINITY ? INFINITY : lse_b * math::kLog2e;
-#pragma unroll
-    for (int nt = 0; nt < 16; ++nt)
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const bool vis = nt * 8 + 2 * t + e <= limit;
-        const float pa = fast_exp2(s[nt][e] * a.scale_log2 - la), pb = fast_exp2(s[nt][2 + e] * a.scale_log2 - lb);
-        colsum[2 * nt + e] = vis ? pa + pb : 0.f;
-      }
-    // Sum over the 8 lanes of a column group (r0 = lane bits 2..4) by halving: per lane bit,
-    // a lane keeps the half of its values that the bit selects and adds its partner's copy of
-    // it, so that lane r0 ends with columns 2 r0 and 2 r0 + 1 of every t (colsum[0..3]). Every
-    // lane stores: no lane-dependent branch around the shuffles, whose divergent form (the
-    // compiler unswitched an `if (r0 == 0)` store over them) kept the warp split through the
-    // rest of the sub-chunk.
-    fold_half<16>(colsum, lane);
-    fold_half<8>(colsum, lane);
-    fold_half<4>(colsum, lane);
-    constexpr float kMean = 1.f / kGroupSize;
-    const int col = 16 * r0 + 2 * t;  // column (2 r0) * 8 + 2t
-    *reinterpret_cast<float2*>(&teacher[warp][col]) = make_float2(colsum[0] * kMean, colsum[1] * kMean);
-    *reinterpret_cast<float2*>(&teacher[warp][col + 8]) = make_float2(colsum[2] * kMean, colsum[3] * kMean);
-  }
-
-  // Student and ds of all 8 queries on keys 16w..16w+15 (row r0 = query r0) into the ds tile.
-  __device__ void student_ds(const Chunk& ch, uint32_t iqs, const QueryMeta& m) {
-    float si[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-    for (int kt = 0; kt < 8; ++kt) {
-      uint32_t af[4], bf[4];
-      load_a(af, iqs, 16, 0, kt * 16, lane);
-      load_b_nk(bf, iks, kBlockSize, warp * 16, kt * 16, lane);
-      mma_bf16(si[0], af, bf[0], bf[1]);
-      mma_bf16(si[1], af, bf[2], bf[3]);
-    }
-    const float il = m.row >= 0 ? a.index_lse[int64_t(ch.head_kv) * a.chunks.total_q + m.row] * math::kLog2e : -INFINITY;
-    const int limit = m.row >= 0 ? m.limit : -1;  // an empty slot sees no key
-    // ds selected by visibility: a masked key's score may be NaN and is never used.
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      float ds[2];
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int col = warp * 16 + nt * 8 + 2 * t + e;
-        const float student = il == -INFINITY ? 0.f : fast_exp2(si[nt][e] * a.index_scale_log2 - il);
-        const float v = (student - teacher[r0][col]) * a.grad_scale;
-        ds[e] = col <= limit ? v : 0.f;
-      }
-      st_shared_u32(dst + tile_offset(16, r0, warp * 2 + nt) + 4 * t, pack_bf16(ds[0], ds[1]));
-    }
-  }
-
-  // d index_q of the 8 edges, dims 16w..16w+15.
-  __device__ void index_q_grad(const Chunk& ch, const QueryMeta& m) {
-    float dq[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-    for (int kt = 0; kt < 8; ++kt) {
-      uint32_t af[4], bf[4];
-      load_a(af, dst, 16, 0, kt * 16, lane);
-      load_b_kn(bf, ik_dq, kBlockSize, kt * 16, warp * 16, lane);
-      mma_bf16(dq[0], af, bf[0], bf[1]);
-      mma_bf16(dq[1], af, bf[2], bf[3]);
-    }
-    // Stores of the slots that hold a query; no early return: d index_k's ldmatrix / mma.sync
-    // follow in sub_chunk and need the whole warp.
-    if (m.row >= 0) {
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const int dim = warp * 16 + nt * 8 + 2 * t;
-        const float2 v = make_float2(dq[nt][0] * a.index_scale, dq[nt][1] * a.index_scale);
-        const int64_t rh = int64_t(m.row) * a.Hkv + ch.head_kv;
-        if (a.deterministic)
-          *reinterpret_cast<float2*>(a.dqi_part + (int64_t(m.slot) * a.chunks.total_q * a.Hkv + rh) * kHeadDim + dim) = v;
-        else
-          atomicAdd(reinterpret_cast<float2*>(a.dqi_acc + rh * kHeadDim + dim), v);
-      }
-    }
-    __syncwarp();
-  }
+  __device__ void begin_chunk(const Chunk&) { zero(dki); }
+  __device__ void masked_block_ready(const Chunk&) { ik_dq = finite_operand<kBlockSize>(iks, ikfs); }
 
   template <class Release>
   __device__ void sub_chunk(const Chunk& ch, int st, const QueryMeta (&meta)[kWalkerWarps], Release&& release) {
     const uint32_t qs = qs0 + st * sizeof(BlockTile), iqs = iqs0 + st * sizeof(QueryTile);
-    teacher_row(ch, qs, meta[warp]);
+    teacher_row(a, *this, ch, qs, ks, meta[warp], teacher[warp]);  // warp w: query w
     __syncthreads();
-    student_ds(ch, iqs, meta[r0]);
+    student_ds(a, *this, ch, iqs, iks, dst, meta[r0], teacher);  // every warp: its 16 keys of all 8
     __syncthreads();
-    index_q_grad(ch, meta[r0]);
-    // d index_k += ds^T qi (warp w: keys 16w..16w+15; k = the 16 query rows).
-    uint32_t af[4];
-    load_a_trans(af, dst, 16, warp * 16, 0, lane);
-#pragma unroll
-    for (int np = 0; np < 8; ++np) {
-      uint32_t bf[4];
-      load_b_kn(bf, iqs, 16, 0, np * 16, lane);
-      mma_bf16(dki[2 * np], af, bf[0], bf[1]);
-      mma_bf16(dki[2 * np + 1], af, bf[2], bf[3]);
-    }
+    index_q_grad(a, *this, ch, dst, ik_dq, meta[r0]);
+    accumulate_index_k(dki, *this, dst, iqs);
     __syncthreads();
-    release();
+    release();  // this stage's Q and index queries are free
   }
 
+  // d index_k = index_scale ds^T qi of the chunk's keys (one index key per token).
   __device__ void flush(const Chunk& ch) {
-    const int key_a = warp * 16 + r0, key_b = key_a + 8;
-#pragma unroll
-    for (int nt = 0; nt < 16; ++nt) {
-      const int dim = nt * 8 + 2 * t;
-      const float2 va = make_float2(dki[nt][0] * a.index_scale, dki[nt][1] * a.index_scale);
-      const float2 vb = make_float2(dki[nt][2] * a.index_scale, dki[nt][3] * a.index_scale);
-      if (a.deterministic) {
-        float* base = a.ki_chunks + int64_t(ch.index) * kBlockSize * kHeadDim;
-        *reinterpret_cast<float2*>(base + key_a * kHeadDim + dim) = va;
-        *reinterpret_cast<float2*>(base + key_b * kHeadDim + dim) = vb;
-      } else {
-        if (key_a < ch.nkeys) atomicAdd(reinterpret_cast<float2*>(a.dki_acc + ch.key_token(key_a) * kHeadDim + dim), va);
-        if (key_b < ch.nkeys) atomicAdd(reinterpret_cast<float2*>(a.dki_acc + ch.key_token(key_b) * kHeadDim + dim), vb);
-      }
-    }
+    store_key_grads<&KlArgs::ki_chunks, nullptr>(*this, ch,
+                                                 KeyGradient<&KlArgs::dki_acc, &KlArgs::index_scale>{dki});
   }
 };
 
-__global__ void __launch_bounds__(kThreads, 1) kl_chunks_kernel(const __grid_constant__ KlArgs a) {
+__global__ void __launch_bounds__(kWalkerThreads, 1) kl_chunks_kernel(const __grid_constant__ KlArgs a) {
   extern __shared__ __align__(128) unsigned char smem[];
   if (a.chunks.status[0] != 0) return;
   KlStorage& s = shared_storage<KlStorage>(smem);
