@@ -29,6 +29,7 @@ from typing import Optional
 
 import numpy as np
 import torch
+import torch.nn.attention
 
 from .. import _native
 from ..constants import BLOCK_SIZE, GROUP_SIZE, HEAD_DIM, TOPK
@@ -251,6 +252,14 @@ def _check_config(module):
     module._msa_checked = True
 
 
+# Decode and speculative steps of full-attention layers: SDPA's cuDNN backend builds an
+# execution plan for every new key length, i.e. at every decode step (tens of ms on an H200,
+# docs/transformers.md); the other fused backends have no per-shape cost.
+_SHORT_STEP = 64
+_SHORT_STEP_BACKENDS = [torch.nn.attention.SDPBackend.FLASH_ATTENTION, torch.nn.attention.SDPBackend.EFFICIENT_ATTENTION,
+                        torch.nn.attention.SDPBackend.MATH]
+
+
 # Kept out of torch.compile (generate compiles the model's forward by itself with a static
 # cache): the layout is host work, and tracing into it splits the graph at every sync.
 @torch.compiler.disable
@@ -262,7 +271,10 @@ def msa_attention_forward(module, query, key, value, attention_mask, dropout: fl
 
     if getattr(module, "indexer", None) is None:
         mask = attention_mask.dense() if isinstance(attention_mask, MsaAttentionMask) else attention_mask
-        return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+        if query.shape[2] > _SHORT_STEP or not query.is_cuda:
+            return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
+        with torch.nn.attention.sdpa_kernel(_SHORT_STEP_BACKENDS):
+            return sdpa_attention_forward(module, query, key, value, mask, dropout=dropout, scaling=scaling, **kwargs)
 
     _check_config(module)
     if not isinstance(block_indices, MsaIndexerState):
