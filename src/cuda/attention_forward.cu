@@ -603,10 +603,10 @@ __global__ void __launch_bounds__(kMergeThreads, 4)
     const __nv_bfloat16* o_row = part_o + qh * kDim + chunk * 8;  // slot s at o_row[s * slot_stride * kDim]
     // Two passes: the common max first (the maxima are read again with the partials; they are
     // cached), then every slot's sum and values weighted against it.
-    AttentionState<8> row = AttentionState<8>::empty();
+    SoftmaxState row = SoftmaxState::empty();
 #pragma unroll
     for (int s = 0; s < kSlots; ++s)
-      if (s < C) row.s.m = state_math::max(row.s.m, ml_row[s * slot_stride].x);
+      if (s < C) row.m = state_math::max(row.m, ml_row[s * slot_stride].x);
 #pragma unroll
     for (int batch = 0; batch < kSlots / 4; ++batch) {
       uint4 raw[4];
@@ -623,17 +623,27 @@ __global__ void __launch_bounds__(kMergeThreads, 4)
       for (int i = 0; i < 4; ++i) {
         const int s = 4 * batch + i;
         if (s >= C) continue;
+        const float w = row.add_at_max(SoftmaxState{ml[i].x, ml[i].y});
         const uint32_t words[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
-        float v[8];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          v[2 * e] = bf16_bits_to_float(uint16_t(words[e] & 0xffff));
-          v[2 * e + 1] = bf16_bits_to_float(uint16_t(words[e] >> 16));
+          acc[2 * e] += w * bf16_bits_to_float(uint16_t(words[e] & 0xffff));
+          acc[2 * e + 1] += w * bf16_bits_to_float(uint16_t(words[e] >> 16));
         }
-        row.add_at_max(SoftmaxState{ml[i].x, ml[i].y}, v);
       }
     }
-    result_lse = row.normalise(acc);
+    // acc is the unnormalised output of `row`; AttentionState::normalise's rule, written out
+    // here: with the wrapper's own accumulators this kernel compiled differently and ran 6 %
+    // slower (ncu, docs/performance.md run 15); written so, its SASS is the earlier kernel's.
+    if (row.valid()) {
+      const float inv = 1.f / row.d;
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] *= inv;
+      result_lse = row.lse();
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e) acc[e] = 0.f;
+    }
   }
   Out* dst = out + qh * kDim + chunk * 8;
   if constexpr (sizeof(Out) == 4) {
