@@ -247,17 +247,6 @@ std::string json_text(const std::vector<BenchRow>& rows, Device dev, const Topol
   return j.dump(2) + '\n';
 }
 
-// Through a temporary file, so that a reader never sees half a file.
-void write_file(const std::string& path, const std::string& text) {
-  const std::string temp = path + ".tmp";
-  {
-    std::ofstream f(temp);
-    f << text;
-    if (!f) invalid(path + ": cannot write the file");
-  }
-  std::filesystem::rename(temp, path);
-}
-
 }  // namespace
 
 int run_bench(const BenchOptions& o) {
@@ -293,8 +282,8 @@ int run_bench(const BenchOptions& o) {
     for (Selection s : selections) {
       rows.push_back(bench_one(topo, dev, n, s, repeats, run, o.seed, timer));
       progress(row_line(rows.back()));
-      if (!o.csv_path.empty()) write_file(o.csv_path, csv_text(rows));
-      if (!o.json_path.empty()) write_file(o.json_path, json_text(rows, dev, topo, repeats));
+      if (!o.csv_path.empty()) write_file_whole(o.csv_path, csv_text(rows));
+      if (!o.json_path.empty()) write_file_whole(o.json_path, json_text(rows, dev, topo, repeats));
     }
 
   // The columns (and their names) of the earlier GPU benchmark's table, plus the indexer and
@@ -326,6 +315,17 @@ int run_bench(const BenchOptions& o) {
   if (!o.csv_path.empty()) std::cout << "wrote " << o.csv_path << "\n";
   if (!o.json_path.empty()) std::cout << "wrote " << o.json_path << "\n";
   return 0;
+}
+
+// Through a temporary file, so that a reader never sees half a file.
+void write_file_whole(const std::string& path, const std::string& text) {
+  const std::string temp = path + ".tmp";
+  {
+    std::ofstream f(temp);
+    f << text;
+    if (!f) invalid(path + ": cannot write the file");
+  }
+  std::filesystem::rename(temp, path);
 }
 
 }  // namespace msa::tool

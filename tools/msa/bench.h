@@ -32,4 +32,8 @@ struct BenchOptions {
 int run_bench(const BenchOptions& options);
 int run_bench_decode(const BenchOptions& options);
 
+// Writes `text` to `path` through a temporary file (a reader never sees half a file); the
+// benchmarks rewrite their CSV / JSON after every row.
+void write_file_whole(const std::string& path, const std::string& text);
+
 }  // namespace msa::tool

@@ -406,17 +406,6 @@ std::string json_text(const std::vector<DecodeRow>& rows, Device dev, const Topo
   return j.dump(2) + '\n';
 }
 
-// Through a temporary file, so that a reader never sees half a file.
-void write_file(const std::string& path, const std::string& text) {
-  const std::string temp = path + ".tmp";
-  {
-    std::ofstream f(temp);
-    f << text;
-    if (!f) invalid(path + ": cannot write the file");
-  }
-  std::filesystem::rename(temp, path);
-}
-
 }  // namespace
 
 int run_bench_decode(const BenchOptions& o) {
@@ -446,7 +435,7 @@ int run_bench_decode(const BenchOptions& o) {
              std::to_string(pt.queries) + ", " + format_label(pt.format));
     rows.push_back(bench_shape(pt, topo, dev, pool, o.splits, repeats, o.threads, timer));
     progress(row_line(rows.back(), copy_rate));
-    if (!o.json_path.empty()) write_file(o.json_path, json_text(rows, dev, topo, repeats, o.splits, copy_rate));
+    if (!o.json_path.empty()) write_file_whole(o.json_path, json_text(rows, dev, topo, repeats, o.splits, copy_rate));
   }
 
   std::cout << "decode step on " << to_string(dev);
