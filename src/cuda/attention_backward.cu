@@ -109,7 +109,7 @@ __device__ __forceinline__ void store_ds(const WalkerThread& th, uint32_t ps, ui
 // dV += P^T dO and dK += dS^T Q for the 64 keys of warpgroup wg (column half wg of the P and
 // dS tiles): P^T and dS^T are read transposed from their [rows, keys] tiles and dO, Q from
 // their [rows, dims] tiles, in two 64-dim halves. Warp w holds keys 16w..16w+15.
-__device__ __forceinline__ void accumulate_dv_dk(float (&dv)[16][4], float (&dk)[16][4], uint32_t ps, uint32_t dss,
+__device__ __forceinline__ void accumulate_dv_dk(float (&dv)[kHeadFrags][4], float (&dk)[kHeadFrags][4], uint32_t ps, uint32_t dss,
                                                  uint32_t dos, uint32_t qs, int wg) {
   wgmma_fence();
 #pragma unroll
@@ -143,7 +143,7 @@ struct BackwardChunks : WalkerThread {
   const BackwardArgs& a;
   const uint32_t ks, vs, qs, dos, ps, dss, kfs;
   uint32_t k_dq = 0;  // the K tile dQ reads: ks, or kfs
-  float dk[16][4], dv[16][4];
+  float dk[kHeadFrags][4], dv[kHeadFrags][4];
 
   __device__ BackwardChunks(const BackwardArgs& args, const BackwardStorage& s)
       : a(args), ks(smem_addr(&s.k)), vs(smem_addr(&s.v)), qs(smem_addr(&s.q)), dos(smem_addr(&s.dout)),

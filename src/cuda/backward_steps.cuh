@@ -68,9 +68,9 @@ struct QueryHeadRows {
 };
 
 // begin_chunk: a key-side accumulator (16 fragments) to zero.
-__device__ __forceinline__ void zero(float (&acc)[16][4]) {
+__device__ __forceinline__ void zero(float (&acc)[kHeadFrags][4]) {
 #pragma unroll
-  for (int i = 0; i < 16; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  for (int i = 0; i < kHeadFrags; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
 }
 
 // masked_block_ready: the tile that products summing over the block's keys read, `copy` when
@@ -157,7 +157,7 @@ __device__ __forceinline__ void store_query_grad(const Args& a, const WalkerThre
 template <auto kAcc, auto kScale = nullptr>
 struct KeyGradient {
   static constexpr auto acc = kAcc;
-  const float (&frag)[16][4];
+  const float (&frag)[kHeadFrags][4];
 
   template <class Kernel>
   __device__ __forceinline__ float2 pair(const Kernel& k, int nt, int e) const {
@@ -182,7 +182,7 @@ __device__ __forceinline__ void store_key_grads(const Kernel& k, const Chunk& ch
     else return ch.key_token(key) * k.a.*kHeads + ch.head_kv;
   };
 #pragma unroll
-  for (int nt = 0; nt < 16; ++nt) {
+  for (int nt = 0; nt < kHeadFrags; ++nt) {
     const int dim = nt * 8 + 2 * k.t;
     const float2 v[kN][2] = {{g.pair(k, nt, 0), g.pair(k, nt, 2)}...};  // keys key_a, key_b
     if (k.a.deterministic) {

@@ -40,6 +40,9 @@ inline constexpr int kSubRows = kSubQueries * model::kGroupSize;  // (query, hea
 // The swizzled tiles of device.cuh hold rows of exactly 128 bf16.
 static_assert(model::kHeadDim == 128 && model::kBlockSize == 128, "tiles are rows of 128 bf16");
 inline constexpr int kTileRowBytes = model::kHeadDim * 2;
+// n8 accumulator fragments of an m64 x 128 product: across a head dim, across a key block.
+inline constexpr int kHeadFrags = model::kHeadDim / 8;
+inline constexpr int kKeyFrags = model::kBlockSize / 8;
 
 // A swizzled tile of kRows rows (device.cuh tile_offset); 1024-byte aligned as wgmma needs.
 template <int kRows>

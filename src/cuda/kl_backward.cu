@@ -88,13 +88,13 @@ __device__ __forceinline__ void fold_half(float (&v)[32], int lane) {
 // exponentials are not duplicated per condition.
 __device__ __forceinline__ void teacher_row(const KlArgs& a, const WalkerThread& th, const Chunk& ch, uint32_t qs,
                                             uint32_t ks, const QueryMeta& m, float (&teacher)[kBlockSize]) {
-  float s[16][4], colsum[32];  // colsum[2 nt + e]: column nt * 8 + 2t + e, this lane's 2 heads
+  float s[kKeyFrags][4], colsum[2 * kKeyFrags];  // colsum[2 nt + e]: column nt * 8 + 2t + e, this lane's 2 heads
   wgmma_rows_x128(s, qs, kSubRows, th.wg_row, ks, kBlockSize, 0);
   const HeadRows rows = head_rows(m, a.Hq, ch, th);
   const HeadPair lse = head_values(a.lse, rows, -INFINITY);
   const float la = lse_log2(lse.a), lb = lse_log2(lse.b);
 #pragma unroll
-  for (int nt = 0; nt < 16; ++nt)
+  for (int nt = 0; nt < kKeyFrags; ++nt)
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const bool vis = nt * 8 + 2 * th.t + e <= rows.lim;
@@ -169,7 +169,7 @@ __device__ __forceinline__ void index_q_grad(const KlArgs& a, const WalkerThread
 }
 
 // d index_k += ds^T qi (warp w: keys 16w..16w+15; k = the 16 query rows).
-__device__ __forceinline__ void accumulate_index_k(float (&dki)[16][4], const WalkerThread& th, uint32_t dst,
+__device__ __forceinline__ void accumulate_index_k(float (&dki)[kHeadFrags][4], const WalkerThread& th, uint32_t dst,
                                                    uint32_t iqs) {
   uint32_t af[4];
   load_a_trans(af, dst, 16, th.warp * 16, 0, th.lane);
@@ -188,7 +188,7 @@ struct KlChunks : WalkerThread {
   const uint32_t ks, iks, qs0, iqs0, dst, ikfs;
   float (&teacher)[kSubQueries][kBlockSize];
   uint32_t ik_dq = 0;  // the index-key tile d index_q reads: iks, or ikfs
-  float dki[16][4];
+  float dki[kHeadFrags][4];
 
   __device__ KlChunks(const KlArgs& args, KlStorage& s)
       : a(args), ks(smem_addr(&s.k)), iks(smem_addr(&s.ik)), qs0(smem_addr(&s.q[0])), iqs0(smem_addr(&s.iq[0])),

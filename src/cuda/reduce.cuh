@@ -5,10 +5,15 @@
 
 #include "cuda/common.cuh"
 #include "cuda/device.cuh"
+#include "msa/constants.h"
 
 namespace msa::cuda {
 // Each translation unit gets its own copies of these small kernels.
 namespace {
+
+constexpr int kRowValues = model::kHeadDim;     // values of a (row, head) gradient
+constexpr int kBlockKeys = model::kBlockSize;   // keys of a block (rows of a chunk's key partial)
+constexpr int64_t kKeyPart = int64_t(kBlockKeys) * kRowValues;  // one part (dK, dV or d index_k) of a chunk
 
 template <typename T> __device__ __forceinline__ float load_f(const T* p);
 template <> __device__ __forceinline__ float load_f<float>(const float* p) { return *p; }
@@ -33,13 +38,13 @@ __global__ void sum_slots_kernel(const Part* __restrict__ parts, const int32_t* 
                                  const int32_t* __restrict__ status, int64_t rows, int H, int Hkv, int heads_per_count,
                                  float scale, Out* __restrict__ out) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;  // (r, h, d)
-  if (i >= rows * H * 128) return;
-  const int64_t rh = i / 128;
+  if (i >= rows * H * kRowValues) return;
+  const int64_t rh = i / kRowValues;
   const int64_t r = rh / H;
   const int h = int(rh % H);
   const int count = split_counts[r * Hkv + h / heads_per_count];
   float acc = 0.f;
-  for (int s = 0; s < count; ++s) acc += load_f(parts + int64_t(s) * rows * H * 128 + i);
+  for (int s = 0; s < count; ++s) acc += load_f(parts + int64_t(s) * rows * H * kRowValues + i);
   store_f(out + i, status[0] != 0 ? NAN : acc * scale);
 }
 
@@ -49,7 +54,7 @@ __global__ void sum_chunks_kernel(const float* __restrict__ chunks, const int32_
                                   const int32_t* __restrict__ nfull, const int32_t* __restrict__ tail, int parts,
                                   float* __restrict__ rows_out) {
   const int64_t hr = blockIdx.x;
-  const int64_t elems = int64_t(parts) * 128 * 128;
+  const int64_t elems = int64_t(parts) * kKeyPart;
   const int32_t f = first[hr], n = nfull[hr], tl = tail[hr];
   for (int64_t e = threadIdx.x * 4; e < elems; e += blockDim.x * 4) {
     float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -74,27 +79,27 @@ __global__ void gather_keys_kernel(const float* __restrict__ row_sums, const Doc
                                    int64_t total_rows, int Hkv, int parts, bool sum_heads,
                                    const int32_t* __restrict__ status, Out* __restrict__ out0, Out* __restrict__ out1) {
   const int64_t tk = blockIdx.x;  // key token
-  const int d = threadIdx.x;      // 128 threads
+  const int d = threadIdx.x;      // kRowValues threads
   const int Hout = sum_heads ? 1 : Hkv;
-  const int64_t elems = int64_t(parts) * 128 * 128;
+  const int64_t elems = int64_t(parts) * kKeyPart;
   for (int ho = 0; ho < Hout; ++ho) {
     float acc[2] = {0.f, 0.f};
     for (int b = 0; b < B; ++b) {
       const DocInfo doc = docs[b];
       if (tk < doc.k_start || tk >= int64_t(doc.k_start) + doc.k_len) continue;
       const int64_t local = tk - doc.k_start;
-      const int64_t row = row_of[doc_row_base[b] + local / 128];
-      const int kk = int(local % 128);
+      const int64_t row = row_of[doc_row_base[b] + local / kBlockKeys];
+      const int kk = int(local % kBlockKeys);
       const int h_begin = sum_heads ? 0 : ho, h_end = sum_heads ? Hkv : ho + 1;
       for (int h = h_begin; h < h_end; ++h) {
-        const float* base = row_sums + (int64_t(h) * total_rows + row) * elems + kk * 128 + d;
+        const float* base = row_sums + (int64_t(h) * total_rows + row) * elems + kk * kRowValues + d;
         acc[0] += base[0];
-        if (parts > 1) acc[1] += base[128 * 128];
+        if (parts > 1) acc[1] += base[kKeyPart];
       }
     }
     const bool bad = status[0] != 0;
-    store_f(out0 + (tk * Hout + ho) * 128 + d, bad ? NAN : acc[0]);
-    if (parts > 1) store_f(out1 + (tk * Hout + ho) * 128 + d, bad ? NAN : acc[1]);
+    store_f(out0 + (tk * Hout + ho) * kRowValues + d, bad ? NAN : acc[0]);
+    if (parts > 1) store_f(out1 + (tk * Hout + ho) * kRowValues + d, bad ? NAN : acc[1]);
   }
 }
 
@@ -173,7 +178,7 @@ void launch_gather_keys(const GradientReduction& r, const int32_t* status, cudaS
   const PlanState& st = *r.state;
   const KeyGradients& k = r.keys;
   Out* out1 = k.out[k.count > 1 ? 1 : 0].as<Out>();
-  gather_keys_kernel<Out><<<int(r.total_k), 128, 0, s>>>(r.key_rows, doc_ptr(st), st.num_documents,
+  gather_keys_kernel<Out><<<int(r.total_k), kRowValues, 0, s>>>(r.key_rows, doc_ptr(st), st.num_documents,
                                                          i32(st.doc_row_base), i32(st.row_of), r.plan->total_rows,
                                                          r.num_kv_heads, k.count, k.sum_kv_heads, status,
                                                          k.out[0].as<Out>(), out1);

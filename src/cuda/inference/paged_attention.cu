@@ -40,6 +40,7 @@ using model::kTopk;
 constexpr int kMaxTileRows = 16;                    // query rows of a CTA (decode Q <= 16, prefill 16)
 constexpr int kMaxEntries = kMaxTileRows * kTopk;   // (row, slot) selections of a CTA in one split
 constexpr int kChunk = 16;                          // bytes of one cp.async / ld.shared.v4
+constexpr int kHeadFrags = kHeadDim / 8;            // n8 output fragments across the head dim
 constexpr int kBf16RowChunks = kHeadDim * 2 / kChunk;      // 16-byte chunks of a bf16 128-row
 constexpr int kFp8RowChunks = kHeadDim / kChunk;           // ... of an E4M3 row
 constexpr int kFp4RowChunks = kNvfp4RowBytes / kChunk;     // ... of an NVFP4 row (two codes a byte)
@@ -364,9 +365,9 @@ __global__ void __launch_bounds__(NW * 32, 1) paged_attention_kernel(const AttnA
   const int quad = lane & 3, gr = lane >> 2;
   constexpr bool kEarlyV = NW <= 8 && F == KvFormat::bf16;
 
-  float o[16][4];
+  float o[kHeadFrags][4];
 #pragma unroll
-  for (int n = 0; n < 16; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
+  for (int n = 0; n < kHeadFrags; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.0f;
   float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;  // softmax states of heads gr, gr + 8
 
   if (unique > 0) issue_page<NT, F>(a, stage0, ctl.page_physical[0], g, ctl.page_tokens[0]);
@@ -440,7 +441,7 @@ __global__ void __launch_bounds__(NW * 32, 1) paged_attention_kernel(const AttnA
         // exactly): the warp then skips the 64 multiplications of its output fragments.
         if (__any_sync(0xffffffffu, alpha0 != 1.0f || alpha1 != 1.0f))
 #pragma unroll
-          for (int n = 0; n < 16; ++n) {
+          for (int n = 0; n < kHeadFrags; ++n) {
             o[n][0] *= alpha0;
             o[n][1] *= alpha0;
             o[n][2] *= alpha1;
@@ -519,7 +520,7 @@ __global__ void __launch_bounds__(NW * 32, 1) paged_attention_kernel(const AttnA
   l1 = warp_sum4(l1);
   WarpState& ws = smem.merge[warp];  // C fragment: rows gr, gr + 8 (heads), columns 8n + 2 quad (dims)
 #pragma unroll
-  for (int n = 0; n < 16; ++n) {
+  for (int n = 0; n < kHeadFrags; ++n) {
     const int d = n * 8 + 2 * quad;
     ws.o[gr][d] = o[n][0];
     ws.o[gr][d + 1] = o[n][1];
