@@ -107,6 +107,8 @@ usage_errors)
   expect 2 "msa bench: error: --splits: .*3" "$msa" bench --decode --backend cpu --splits 3
   expect 2 "msa bench: error: --queries applies to the decode bench" "$msa" bench --queries 4 --tokens 128
   expect 2 "msa bench: error: --splits applies to the decode bench" "$msa" bench --splits 2 --tokens 128
+  expect 2 "msa bench: error: --tokens applies to the training bench only" "$msa" bench --decode --tokens 4096
+  expect 2 "msa bench: error: --selection applies to the training bench only" "$msa" bench --decode --selection coherent
   expect 2 "msa bench: error: --json: .*no/such/dir" "$msa" bench --decode --backend cpu --json no/such/dir/d.json
   expect 2 "msa inspect: error: .*absent.safetensors: no such file" "$msa" inspect absent.safetensors
   if "$msa" --version | grep -q '(CPU backend)'; then

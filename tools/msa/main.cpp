@@ -126,7 +126,7 @@ int main(int argc, char** argv) {
   CLI::Option* tokens_opt = bench_cmd->add_option(
       "--tokens", bench.sizes, "Tokens per document, e.g. 4096,16384,16k (default: 4k,8k on the CPU; 4k..128k on a GPU)");
   CLI::Option* sizes_opt = bench_cmd->add_option("--sizes", bench.sizes, "Same as --tokens")->excludes(tokens_opt);
-  bench_cmd->add_option("--selection", bench.selection, "independent, coherent or both")
+  CLI::Option* selection_opt = bench_cmd->add_option("--selection", bench.selection, "independent, coherent or both")
       ->check(CLI::IsMember({"independent", "coherent", "both"}))
       ->capture_default_str();
   CLI::Option* repeats_opt = bench_cmd->add_option("--repeats", bench.repeats, "Timed runs per step (default 3 on the CPU, decode 2; 10 on a GPU)")
@@ -223,6 +223,10 @@ int main(int argc, char** argv) {
       for (const CLI::Option* opt : decode_opts)
         if (!bench.decode && opt->count() > 0)
           throw msa::Error(msa::ErrorKind::invalid_argument, opt->get_name() + " applies to the decode bench (--decode) only");
+      for (const CLI::Option* opt : {tokens_opt, sizes_opt, selection_opt})
+        if (bench.decode && opt->count() > 0)
+          throw msa::Error(msa::ErrorKind::invalid_argument,
+                           opt->get_name() + " applies to the training bench only; with --decode use --batches / --contexts");
       return run_bench(bench);
     }
     if (*make_cmd) return run_make_case(make);
