@@ -3,6 +3,10 @@
 // PagedKvCache that every backend reads the same way.
 #pragma once
 
+#include <cstdint>
+#include <memory>
+#include <vector>
+
 #include "msa/constants.h"
 #include "msa/inference.h"
 
@@ -60,6 +64,12 @@ void paged_attention(const InferencePlan&, const PagedAttentionParams&, const Ru
 // Decode attention CTAs (Q rows per request) that run at once on `device`: its SM count times
 // the CTAs of the kernel that fit on an SM (the fewest over the cache formats).
 int64_t decode_attention_concurrency(int device, int q_len_per_req);
+// Paged prefill attention runs on the KV-outer forward (src/cuda/inference/paged_prefill.cu):
+// the state a prefill plan keeps for it (InferencePlan::backend), built from the step's
+// host metadata, and the run.
+std::shared_ptr<void> prepare_paged_prefill(const InferencePlan&, const std::vector<int32_t>& cu_seqlens_q,
+                                            const std::vector<int32_t>& seq_lens);
+void paged_prefill_attention(const InferencePlan&, const PagedAttentionParams&, const RunOptions&);
 }  // namespace cuda
 
 }  // namespace msa

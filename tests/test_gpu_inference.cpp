@@ -468,7 +468,7 @@ TEST(GpuInference, PagedForwardAgainstOracle) {
 TEST(GpuInference, PrefillAttentionMatchesCpu) {
   MSA_REQUIRE_GPU();
   MSA_SEEDED_RNG(rng);
-  for (const char* f : {"bf16", "fp8_token", "nvfp4_global"}) {
+  for (const char* f : kFormats) {
     SCOPED_TRACE(std::string("format ") + f);
     // Cached prefixes of 0..2500 tokens, chunks of 1..700 rows, shuffled page tables.
     const PagedCase c = make_prefill_case(rng, Topology::minimax_m3(2), {2500, 0, 100, 1200}, {300, 700, 45, 1}, format_options(f));
@@ -479,14 +479,33 @@ TEST(GpuInference, PrefillAttentionMatchesCpu) {
   }
 }
 
+// A chunk long enough that many queries share each selected page (the attention's work items
+// then hold 8 queries) over a prefix of more than 16 pages, on the full MiniMax-M3 topology.
+TEST(GpuInference, LongPrefillChunkMatchesCpu) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  for (const char* f : {"bf16", "fp8_token"}) {
+    SCOPED_TRACE(std::string("format ") + f);
+    const PagedCase c = make_prefill_case(rng, Topology::minimax_m3(1), {3000, 200}, {2100, 600}, format_options(f));
+    const HostTensor topk = cpu_indexer(c);
+    DeviceCase d(c);
+    expect_attention_matches_cpu(gpu_attention(c, d, gpu_plan(c), topk, DType::f32), cpu_attention(c, topk, 1, DType::f32));
+  }
+}
+
 TEST(GpuInference, StridedCombinedKvCache) {
   MSA_REQUIRE_GPU();
   MSA_SEEDED_RNG(rng);
-  for (const char* f : {"bf16", "fp8"}) {
+  for (const char* f : {"bf16", "fp8", "prefill bf16", "prefill fp8"}) {
     SCOPED_TRACE(std::string("format ") + f);
-    const PagedCase c = make_decode_case(rng, Topology::minimax_m3(2), {2300, 140, 0}, 4, format_options(f));
+    const std::string name(f);
+    const bool prefill = name.rfind("prefill ", 0) == 0;
+    const CaseOptions opts = format_options(prefill ? name.substr(8) : name);
+    const PagedCase c = prefill ? make_prefill_case(rng, Topology::minimax_m3(2), {2300, 0}, {200, 150}, opts)
+                                : make_decode_case(rng, Topology::minimax_m3(2), {2300, 140, 0}, 4, opts);
     const HostTensor topk = cpu_indexer(c);
-    const PagedOutputs want = cpu_attention(c, topk, 2, DType::f32);
+    const int splits = prefill ? 1 : 2;
+    const PagedOutputs want = cpu_attention(c, topk, splits, DType::f32);
     // K and V as the halves of one [P, Hkv, 128, 256] cache.
     const int64_t P = c.physical_pages, Hkv = 2, es = c.k.dtype() == DType::bf16 ? 2 : 1;
     HostTensor combined(c.k.dtype(), {P, Hkv, 128, 256});
@@ -501,7 +520,7 @@ TEST(GpuInference, StridedCombinedKvCache) {
     kv.k = TensorView::strided(all.data, all.dtype, {P, Hkv, 128, 128}, {Hkv * 128 * 256, 128 * 256, 256, 1}, all.device);
     kv.v = TensorView::strided(static_cast<uint8_t*>(all.data) + 128 * es, all.dtype, {P, Hkv, 128, 128},
                                {Hkv * 128 * 256, 128 * 256, 256, 1}, all.device);
-    expect_attention_matches_cpu(gpu_attention(c, d, gpu_plan(c, 2), topk, DType::f32, &kv), want);
+    expect_attention_matches_cpu(gpu_attention(c, d, gpu_plan(c, splits), topk, DType::f32, &kv), want);
   }
 }
 

@@ -24,6 +24,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <vector>
 
 #include "msa/layout.h"
@@ -198,6 +199,9 @@ struct InferencePlan {
   Buffer partial_lse;    // decode: [num_kv_splits, total_q, Hq] f32 split-K partial LSEs
   Buffer scratch_f32;    // CPU: [num_threads, n] f32 per-thread work space; CUDA: indexer page
                          //   scores [rows, Hi * history pages] for a chunk of rows
+  // CUDA prefill plans: the attention's schedule buffers and partial states (16 per query
+  // and head: 0.26 MB per query row with 64 heads), sized for the step.
+  std::shared_ptr<void> backend;
 };
 
 InferencePlan plan_paged_prefill(const Topology& topo, const PagedPrefillMetadata& meta,

@@ -143,6 +143,8 @@ InferencePlan finish(const Topology& topo, InferencePhase phase, const StepReque
     const int64_t budget = int64_t(32) << 20;  // floats
     const int64_t rows = std::clamp<int64_t>(budget / per_row, 16, std::max<int64_t>(plan.total_q, 16));
     plan.scratch_f32 = Buffer(dev, DType::f32, {rows, per_row});
+    if (phase == InferencePhase::prefill)
+      plan.backend = detail::cuda_only("paged prefill plan", [&] { return cuda::prepare_paged_prefill(plan, s.cu_q, s.seq_lens); });
   }
   return plan;
 }

@@ -14,6 +14,9 @@
 // never wait on metadata loads; it gives most of its registers to them (setmaxnreg), which
 // lets each computing warpgroup issue S of the next task before the current task's epilogue.
 //
+// The key blocks come from a KvSource (kv_source.cuh): the packed K / V of training, or a paged
+// cache (bf16, FP8, NVFP4) for paged prefill; the kernel is the same, the source its policy.
+//
 // Non-finite isolation: a key a row does not attend to never changes it. Masked scores are
 // set to -inf by selection; inf / NaN values in V are kept out of the shared V^T tile and
 // added back only to the rows that see their keys (load_key_block).
@@ -23,8 +26,10 @@
 #include "backend.h"
 #include "msa/constants.h"
 #include "plan_records.h"
+#include "cuda/attention_forward.h"
 #include "cuda/common.cuh"
 #include "cuda/device.cuh"
+#include "cuda/kv_source.cuh"
 #include "cuda/named_barriers.cuh"
 #include "cuda/tensor_map.h"
 #include "cuda/wgmma.cuh"
@@ -116,6 +121,8 @@ struct SharedStorage {
   uint64_t full[kQStages];   // mbarrier: stage s holds a task (the producers' TMA bytes landed)
   uint64_t empty[kQStages];  // mbarrier: the consumers are done with stage s
   uint32_t nonfinite_keys[kBlock / 32];  // keys of the resident block with an inf / NaN value
+  float key_scale[kBlock];    // FP8 per-token scales of the resident block's keys (K, V)
+  float value_scale[kBlock];
 };
 static_assert(offsetof(SharedStorage, q) == 2 * kTileBytes && alignof(SharedStorage) == 1024);
 static_assert(offsetof(SharedStorage, full) % 8 == 0 && sizeof(MetaStage) % 16 == 0);
@@ -134,12 +141,12 @@ struct Smem {
   __device__ uint32_t empty(int stage) const { return base + uint32_t(offsetof(SharedStorage, empty)) + 8 * stage; }
   __device__ MetaStage& meta(int stage) const { return ptr->meta[stage]; }
   __device__ uint32_t* nonfinite_keys() const { return ptr->nonfinite_keys; }
+  __device__ float* key_scale() const { return ptr->key_scale; }
+  __device__ float* value_scale() const { return ptr->value_scale; }
 };
 
 struct ForwardArgs {
-  const __nv_bfloat16* q;  // [Tq, Hq, 128]
-  const __nv_bfloat16* k;  // [Tk, Hkv, 128]
-  const __nv_bfloat16* v;  // [Tk, Hkv, 128]
+  KvSource kv;             // K / V: packed [Tk, Hkv, 128] bf16 or a paged cache
   const WorkItem* schedule;   // [capacity]
   const int32_t* work_count;  // [1]
   const int32_t* full_items;  // [1]: the schedule's leading items with q_per_cta queries
@@ -210,21 +217,21 @@ __device__ TaskMeta fetch_task(const ForwardArgs& a, int64_t task, int pw) {
 
 // Producer warp pw: writes the metadata of lane `src`'s task and has TMA copy its queries' 16
 // Q rows (two 64-column boxes each) into `stage`; `full` completes when every producer warp
-// has arrived and all bytes have landed. Rows of absent queries are read past the end of Q,
-// i.e. as zeros (they keep the warpgroup's products finite; their results are not written).
+// has arrived and all bytes have landed. Rows of absent queries are read past the last token
+// of Q, i.e. as zeros (they keep the warpgroup's products finite; their results are not written).
 __device__ void produce_task(const ForwardArgs& a, const CUtensorMap* q_map, const TaskMeta& mine, int src,
                              uint32_t stage, MetaStage& meta, uint32_t full, int pw, int lane) {
   const int g = __shfl_sync(0xffffffffu, mine.g, src);
   const int b = __shfl_sync(0xffffffffu, mine.b, src);
   const int j = __shfl_sync(0xffffffffu, mine.j, src);
-  int q_row[kQueriesPerProducer];
+  int q_token[kQueriesPerProducer];
 #pragma unroll
   for (int i = 0; i < kQueriesPerProducer; ++i) {
     const int r = __shfl_sync(0xffffffffu, mine.row[i], src);
     const int slot = __shfl_sync(0xffffffffu, mine.slot[i], src);
     const int limit = __shfl_sync(0xffffffffu, mine.limit[i], src);
     if (lane == 0) store_meta(&meta.query[pw * kQueriesPerProducer + i], QueryMeta{r, slot, limit, g});
-    q_row[i] = r >= 0 ? r * a.Hq + kGroup * g : int(a.total_q) * a.Hq;
+    q_token[i] = r >= 0 ? r : int(a.total_q);
   }
   if (lane != 0) return;
   if (pw == 0) store_block(&meta.block, TaskBlock{g, b, j, 0});
@@ -234,8 +241,8 @@ __device__ void produce_task(const ForwardArgs& a, const CUtensorMap* q_map, con
 #pragma unroll
   for (int i = 0; i < kQueriesPerProducer; ++i) {
     const uint32_t rows = stage + kGroup * (pw * kQueriesPerProducer + i) * kBoxRowBytes;
-    tma_load_2d(rows, q_map, 0, q_row[i], full, keep);
-    tma_load_2d(rows + kBoxBytes, q_map, kDim / 2, q_row[i], full, keep);
+    tma_load_3d(rows, q_map, 0, kGroup * g, q_token[i], full, keep);
+    tma_load_3d(rows + kBoxBytes, q_map, kDim / 2, kGroup * g, q_token[i], full, keep);
   }
 }
 
@@ -257,9 +264,11 @@ __device__ void run_producer(const ForwardArgs& a, const CUtensorMap* q_map, con
 
 // ---- consumer: key block, S = Q K^T, softmax, O = P V -------------------------------------
 
-// Loads key block j of head g into the K tile (rows = keys) and V transposed into the V^T
-// tile (rows = dims, columns = keys), so that both products read K-major operands. Keys past
-// the document end are zero. Runs (by the consumers) once per block change.
+// Loads key block j of head g from the source into the K tile (rows = keys) and V transposed
+// into the V^T tile (rows = dims, columns = keys), so that both products read K-major operands;
+// quantised values are widened to bf16 on the way. Keys past the document end are zero. Runs
+// (by the consumers) once per block change. FP8 per-token scales of the block's keys go to
+// key_scale / value_scale (0 past the end).
 //
 // Non-finite values: a key past a row's causal limit gets P = 0, but 0 * inf or NaN in the
 // shared V^T tile would still reach the row (the tile serves queries with different limits).
@@ -267,39 +276,53 @@ __device__ void run_producer(const ForwardArgs& a, const CUtensorMap* q_map, con
 // beforehand), and the rows that do see the key add P * value for it afterwards
 // (add_nonfinite_values). Returns whether this thread met such a value. A K value needs no
 // care: a masked score is replaced by -inf, whatever it was.
-__device__ bool load_key_block(const ForwardArgs& a, const TaskBlock& blk, uint32_t ks, uint32_t vts,
-                               uint32_t* nonfinite_keys, int tid) {
+template <KvSourceKind Kind>
+__device__ bool load_key_block(const ForwardArgs& a, const TaskBlock& blk, const Smem& sm, int tid) {
+  constexpr int kChunks = kSourceChunks<Kind>;      // 16-byte source chunks of a row
+  constexpr int kOut = kWidened<Kind> / 8;          // 16-byte bf16 chunks one source chunk gives
+  static_assert(kChunks * kOut == kRowChunks);
   const DocInfo d = a.docs[blk.document];
   const int key0 = blk.kv_block * kBlock;
   const int nkeys = min(kBlock, d.k_len - key0);
-  const int64_t stride = int64_t(a.Hkv) * kDim;
-  const __nv_bfloat16* kb = a.k + (int64_t(d.k_start + key0) * a.Hkv + blk.head_kv) * kDim;
-  const __nv_bfloat16* vb = a.v + (int64_t(d.k_start + key0) * a.Hkv + blk.head_kv) * kDim;
-  bool any_nonfinite = false;
-  for (int c = tid; c < kBlock * kRowChunks; c += kConsumers) {
-    const int key = c >> 4, ch = c & 15;  // kRowChunks chunks per key
-    uint4 x = make_uint4(0, 0, 0, 0);
-    if (key < nkeys) x = __ldg(reinterpret_cast<const uint4*>(kb + key * stride + ch * 8));
-    asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(ks + tile_offset(kTileRows, key, ch)), "r"(x.x),
-                 "r"(x.y), "r"(x.z), "r"(x.w)
-                 : "memory");
+  const KeyBlockRows rows = key_block_rows<Kind>(a.kv, blk.document, d.k_start, blk.head_kv, blk.kv_block);
+  const uint32_t ks = sm.k(), vts = sm.vt();
+  if constexpr (Kind == KvSourceKind::paged_fp8) {
+    if (a.kv.k_token_scale != nullptr && tid < kBlock) {
+      const bool in = tid < nkeys;
+      const int64_t slot = rows.slot0 + tid;
+      sm.key_scale()[tid] = in ? a.kv.k_token_scale[blk.head_kv * a.kv.k_token_stride + slot] : 0.f;
+      sm.value_scale()[tid] = in ? a.kv.v_token_scale[blk.head_kv * a.kv.v_token_stride + slot] : 0.f;
+    }
   }
-  // A warp covers 32 consecutive keys of one 8-dim chunk: its 2-byte stores hit one row.
-  for (int c = tid; c < kBlock * kRowChunks; c += kConsumers) {
-    const int key = c & (kBlock - 1), ch = c >> 7;  // kBlock keys per chunk column
-    uint4 x = make_uint4(0, 0, 0, 0);
-    if (key < nkeys) x = __ldg(reinterpret_cast<const uint4*>(vb + key * stride + ch * 8));
-    uint32_t words[4] = {x.x, x.y, x.z, x.w};
-    if ((nonfinite_bf16x2_signs(x.x) | nonfinite_bf16x2_signs(x.y) | nonfinite_bf16x2_signs(x.z) |
-         nonfinite_bf16x2_signs(x.w)) != 0) {  // rare: masking and shared-memory atomics only then
+  for (int c = tid; c < kBlock * kChunks; c += kConsumers) {
+    const int key = c / kChunks, ch = c % kChunks;
+    uint32_t x[kWidened<Kind> / 2];
+    load_widened<Kind>(rows.k + key * a.kv.k_row, rows.ksf + key * a.kv.ksf_row, ch, key < nkeys, x);
 #pragma unroll
-      for (int w = 0; w < 4; ++w) words[w] &= ~nonfinite_bf16x2(words[w]);
-      atomicOr(&nonfinite_keys[key >> 5], 1u << (key & 31));
+    for (int o = 0; o < kOut; ++o)
+      asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(ks + tile_offset(kTileRows, key, kOut * ch + o)),
+                   "r"(x[4 * o]), "r"(x[4 * o + 1]), "r"(x[4 * o + 2]), "r"(x[4 * o + 3])
+                   : "memory");
+  }
+  // A warp covers 32 consecutive keys of one chunk column: its 2-byte stores hit one row.
+  bool any_nonfinite = false;
+  for (int c = tid; c < kBlock * kChunks; c += kConsumers) {
+    const int key = c & (kBlock - 1), ch = c >> 7;  // kBlock keys per chunk column
+    uint32_t words[kWidened<Kind> / 2];
+    load_widened<Kind>(rows.v + key * a.kv.v_row, rows.vsf + key * a.kv.vsf_row, ch, key < nkeys, words);
+    uint32_t signs = 0;
+#pragma unroll
+    for (int w = 0; w < kWidened<Kind> / 2; ++w) signs |= nonfinite_bf16x2_signs(words[w]);
+    if (signs != 0) {  // rare: masking and shared-memory atomics only then
+#pragma unroll
+      for (int w = 0; w < kWidened<Kind> / 2; ++w) words[w] &= ~nonfinite_bf16x2(words[w]);
+      atomicOr(&sm.nonfinite_keys()[key >> 5], 1u << (key & 31));
       any_nonfinite = true;
     }
 #pragma unroll
-    for (int e = 0; e < 8; ++e) {
-      const uint32_t addr = vts + tile_offset(kTileRows, ch * 8 + e, key >> 3) + (key & 7) * 2;
+    for (int e = 0; e < kWidened<Kind>; ++e) {
+      const int dim = ch * kWidened<Kind> + e;
+      const uint32_t addr = vts + tile_offset(kTileRows, dim, key >> 3) + (key & 7) * 2;
       const uint16_t h = uint16_t(words[e >> 1] >> (16 * (e & 1)));
       asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(addr), "h"(h) : "memory");
     }
@@ -326,14 +349,14 @@ __device__ void stage_p(const uint32_t (&p)[kKSteps][4], uint32_t qs, int warp, 
 
 // The rare path of a block with non-finite values (load_key_block): O holds P V with those
 // values as 0; each row adds P * value for the non-finite values of the keys it sees (its
-// query's limit), read from global memory, which is what P V over the original values gives
+// query's limit), read again from the source, which is what P V over the original values gives
 // for them (NaN, or +-inf). Keys the query does not see are never touched.
+template <KvSourceKind Kind>
 __device__ void add_nonfinite_values(const ForwardArgs& a, float (&o)[kNFrags][4], const uint32_t* nonfinite_keys,
                                      const TaskBlock& blk, uint32_t qs, int limit, int warp, int lane) {
   __syncwarp();  // every lane's staged P
   const DocInfo d = a.docs[blk.document];
-  const int64_t stride = int64_t(a.Hkv) * kDim;
-  const __nv_bfloat16* vb = a.v + (int64_t(d.k_start + blk.kv_block * kBlock) * a.Hkv + blk.head_kv) * kDim;
+  const KeyBlockRows rows = key_block_rows<Kind>(a.kv, blk.document, d.k_start, blk.head_kv, blk.kv_block);
   const int t = lane & 3;
   for (int w = 0; w < kBlock / 32; ++w) {
     uint32_t bits = nonfinite_keys[w];
@@ -345,16 +368,15 @@ __device__ void add_nonfinite_values(const ForwardArgs& a, float (&o)[kNFrags][4
       asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(pa) : "r"(staged_p(qs, warp, lane >> 2, key)) : "memory");
       asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(pb) : "r"(staged_p(qs, warp, (lane >> 2) + 8, key)) : "memory");
       const float p0 = bf16_bits_to_float(pa), p1 = bf16_bits_to_float(pb);
-      const uint32_t* values = reinterpret_cast<const uint32_t*>(vb + key * stride);
 #pragma unroll
-      for (int nt = 0; nt < kNFrags; ++nt) {
-        const uint32_t two = __ldg(values + nt * 4 + t);  // dims 8nt + 2t, +1: o[nt][0..1], o[nt][2..3]
+      for (int nt = 0; nt < kNFrags; ++nt) {  // dims 8nt + 2t, +1: o[nt][0..1], o[nt][2..3]
+        const float2 two = load_value_pair<Kind>(rows.v + key * a.kv.v_row, rows.vsf + key * a.kv.vsf_row, 8 * nt + 2 * t);
+        const float v[2] = {two.x, two.y};  // widened values are exact in bf16
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const float v = bf16_bits_to_float(uint16_t(two >> (16 * e)));
-          if (!isfinite(v)) {
-            o[nt][e] += p0 * v;
-            o[nt][2 + e] += p1 * v;
+          if (!isfinite(v[e])) {
+            o[nt][e] += p0 * v[e];
+            o[nt][2 + e] += p1 * v[e];
           }
         }
       }
@@ -388,10 +410,25 @@ struct RowStats {
   float ms0, ms1, l0, l1;
 };
 
+// Quantised sources: the per-tensor K scale and the keys' per-token K scales (key_scale,
+// nullptr: none) multiply the logits, before the max is taken.
+__device__ __forceinline__ void scale_scores(float (&s)[kNFrags][4], float k_tensor, const float* key_scale, int t) {
+#pragma unroll
+  for (int nt = 0; nt < kNFrags; ++nt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int col = nt * 8 + 2 * t + (e & 1);
+      s[nt][e] *= key_scale != nullptr ? k_tensor * key_scale[col] : k_tensor;
+    }
+}
+
 // Softmax numerators of the warp's 16 rows (keys past `limit` masked) as bf16 A fragments.
 // Reductions run over four partial accumulators to keep the dependency chains short.
+// kValueScales: per-token V scales (value_scale, nullptr: none) multiply the numerators that
+// P V reads, not the row's sum; a key past the limit stays 0 whatever its scale.
+template <bool kValueScales = false>
 __device__ __forceinline__ RowStats softmax_rows(float (&s)[kNFrags][4], uint32_t (&p)[kKSteps][4], int limit,
-                                                 float scale_log2, int t) {
+                                                 float scale_log2, int t, const float* value_scale = nullptr) {
   if (limit < kBlock - 1) {
 #pragma unroll
     for (int nt = 0; nt < kNFrags; ++nt)
@@ -425,6 +462,13 @@ __device__ __forceinline__ RowStats softmax_rows(float (&s)[kNFrags][4], uint32_
       e[h][3] = fast_exp2(s[2 * kt + h][3] * scale_log2 - r.ms1);
       sum[0][(2 * kt + h) & 3] += e[h][0] + e[h][1];
       sum[1][(2 * kt + h) & 3] += e[h][2] + e[h][3];
+      if constexpr (kValueScales) {
+        if (value_scale != nullptr) {
+          const int c0 = 16 * kt + 8 * h + 2 * t;
+          const float v0 = c0 <= limit ? value_scale[c0] : 0.f, v1 = c0 + 1 <= limit ? value_scale[c0 + 1] : 0.f;
+          e[h][0] *= v0, e[h][1] *= v1, e[h][2] *= v0, e[h][3] *= v1;
+        }
+      }
     }
     p[kt][0] = pack_bf16(e[0][0], e[0][1]);
     p[kt][1] = pack_bf16(e[0][2], e[0][3]);
@@ -472,6 +516,7 @@ __device__ __forceinline__ void store_partial(const ForwardArgs& a, const CUtens
 
 // The consumers, software-pipelined over tasks: while task n's outputs are normalised and
 // stored, the tensor cores already compute S of task n + 1 (when it reads the same key block).
+template <KvSourceKind Kind>
 __device__ void run_consumer(const ForwardArgs& a, const CUtensorMap* part_map, int ntasks, const Smem& sm, int tid) {
   const int warp = tid >> 5, lane = tid & 31;
   const int wg = warp >> 2, t4 = lane & 3;
@@ -489,11 +534,19 @@ __device__ void run_consumer(const ForwardArgs& a, const CUtensorMap* part_map, 
       if (tid < kBlock / 32) sm.nonfinite_keys()[tid] = 0;
       sync_barrier(ForwardBarrier::kKeyBlock, kConsumers);
     }
-    const bool mine = load_key_block(a, blk, sm.k(), sm.vt(), sm.nonfinite_keys(), tid);
+    const bool mine = load_key_block<Kind>(a, blk, sm, tid);
     loaded = blk;
     fence_proxy_async();
     loaded_nonfinite = sync_barrier_or(ForwardBarrier::kKeyBlock, kConsumers, mine);
   };
+  // Quantised sources' scales (kv_source.cuh): uniform over the kernel, or per key in shared memory.
+  float k_tensor = 1.f, v_tensor = 1.f;
+  const float* key_scales = nullptr;
+  const float* value_scales = nullptr;
+  if constexpr (kQuantisedSource<Kind>) {
+    if (a.kv.k_tensor_scale != nullptr) k_tensor = *a.kv.k_tensor_scale, v_tensor = *a.kv.v_tensor_scale;
+    if (a.kv.k_token_scale != nullptr) key_scales = sm.key_scale(), value_scales = sm.value_scale();
+  }
   const uint64_t k_desc = sw128_desc(sm.k()), vt_desc = sw128_desc(sm.vt());
   auto q_desc = [&](int n) { return sw128_desc(sm.q(n % kQStages) + (kTileRows / 2) * wg * kBoxRowBytes); };
   float s[kNFrags][4];
@@ -507,7 +560,8 @@ __device__ void run_consumer(const ForwardArgs& a, const CUtensorMap* part_map, 
     // Every warp's Q rows are read before any warp reuses them.
     warpgroup_barrier(int(ForwardBarrier::kWarpgroup0) + wg);
     uint32_t p[kKSteps][4];
-    const RowStats r = softmax_rows(s, p, m.limit, a.scale_log2, t4);
+    if constexpr (kQuantisedSource<Kind>) scale_scores(s, k_tensor, key_scales, t4);
+    const RowStats r = softmax_rows<kQuantisedSource<Kind>>(s, p, m.limit, a.scale_log2, t4, value_scales);
     if (loaded_nonfinite) stage_p(p, qs, warp, lane);
     float o[kNFrags][4];
     issue_pv(o, p, vt_desc);
@@ -521,7 +575,13 @@ __device__ void run_consumer(const ForwardArgs& a, const CUtensorMap* part_map, 
     if (same_block) issue_scores(s, q_desc(n + 1), k_desc);
     else wgmma_commit();
     wgmma_wait<1>();  // O of task n is complete
-    if (loaded_nonfinite) add_nonfinite_values(a, o, sm.nonfinite_keys(), loaded, qs, m.limit, warp, lane);
+    if (loaded_nonfinite) add_nonfinite_values<Kind>(a, o, sm.nonfinite_keys(), loaded, qs, m.limit, warp, lane);
+    if constexpr (kQuantisedSource<Kind>) {  // the per-tensor V scale multiplies the output
+#pragma unroll
+      for (int nt = 0; nt < kNFrags; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[nt][e] *= v_tensor;
+    }
     store_partial(a, part_map, o, r, m, qs, warp, lane);
     // Task n - 1's stage goes back to the producers once its output rows have been read out.
     if (lane == 0) {
@@ -538,6 +598,7 @@ __device__ void run_consumer(const ForwardArgs& a, const CUtensorMap* part_map, 
   if (lane == 0) bulk_wait_read<0>();  // shared memory stays valid until TMA has read it
 }
 
+template <KvSourceKind Kind>
 __global__ void __launch_bounds__(kThreads, 1)
     forward_tasks_kernel(const ForwardArgs a, const __grid_constant__ CUtensorMap q_map,
                          const __grid_constant__ CUtensorMap part_map) {
@@ -564,7 +625,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     return;
   }
   setmaxnreg_inc<kConsumerRegs>();
-  run_consumer(a, &part_map, int(ntasks), sm, tid);  // ntasks >= 1
+  run_consumer<Kind>(a, &part_map, int(ntasks), sm, tid);  // ntasks >= 1
 }
 
 // Merges the partial states of every (query, head): thread = 8 output dims of one
@@ -656,53 +717,92 @@ __global__ void __launch_bounds__(kMergeThreads, 4)
   if (chunk == 0) lse[qh] = result_lse;
 }
 
+template <KvSourceKind Kind>
+void launch_tasks(const ForwardArgs& a, const CUtensorMap& q_map, const CUtensorMap& part_map, int grid,
+                  cudaStream_t s) {
+  MSA_CUDA_CHECK(cudaFuncSetAttribute(forward_tasks_kernel<Kind>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  forward_tasks_kernel<Kind><<<grid, kThreads, kSmemBytes, s>>>(a, q_map, part_map);
+  MSA_CUDA_CHECK_LAUNCH("forward_tasks_kernel");
+}
+
 }  // namespace
+
+void run_sparse_forward(const ForwardLaunch& f, cudaStream_t s) {
+  const int64_t Tq = f.total_q;
+  if (Tq == 0) return;
+  ForwardArgs a{};
+  a.kv = f.kv;
+  a.schedule = f.schedule;
+  a.work_count = f.work_count;
+  a.full_items = f.full_items;
+  a.q_indices = f.q_indices;
+  a.split_slot = f.split_slot;
+  a.docs = f.docs;
+  a.status = f.status;
+  a.part_ml = static_cast<float2*>(f.part_ml);
+  a.total_q = Tq;
+  a.Hq = f.Hq;
+  a.Hkv = f.Hkv;
+  a.nsub = int(ceil_div(f.q_per_cta, kQueriesPerTask));
+  a.scale_log2 = f.softmax_scale * math::kLog2e;
+  const int64_t max_tasks = f.schedule_capacity * a.nsub;
+  auto* part_o = static_cast<__nv_bfloat16*>(f.part_o);
+  if (max_tasks > 0) {
+    const CUtensorMap q_map =
+        bf16_head_tile_map(f.q.data, Tq, f.Hq, f.q.stride[0], f.q.stride[1], kGroup, "q");
+    const CUtensorMap part_map = bf16_row_tile_map(part_o, kSlots * Tq * a.Hq, kGroup, "the partial-output workspace");
+    const int grid = int(std::min<int64_t>(max_tasks, sm_count()));
+    switch (f.kind) {
+      case KvSourceKind::packed_bf16: launch_tasks<KvSourceKind::packed_bf16>(a, q_map, part_map, grid, s); break;
+      case KvSourceKind::paged_bf16: launch_tasks<KvSourceKind::paged_bf16>(a, q_map, part_map, grid, s); break;
+      case KvSourceKind::paged_fp8: launch_tasks<KvSourceKind::paged_fp8>(a, q_map, part_map, grid, s); break;
+      case KvSourceKind::paged_nvfp4: launch_tasks<KvSourceKind::paged_nvfp4>(a, q_map, part_map, grid, s); break;
+    }
+  }
+  const int blocks = int(ceil_div(Tq * f.Hq * kMergeChunks, kMergeThreads));
+  if (f.out.dtype == DType::f32) {
+    forward_merge_kernel<float><<<blocks, kMergeThreads, 0, s>>>(part_o, a.part_ml, f.split_counts, a.status, Tq, a.Hq,
+                                                                 a.Hkv, f.out.as<float>(), f.lse.as<float>());
+  } else {
+    forward_merge_kernel<__nv_bfloat16><<<blocks, kMergeThreads, 0, s>>>(part_o, a.part_ml, f.split_counts, a.status,
+                                                                         Tq, a.Hq, a.Hkv, f.out.as<__nv_bfloat16>(),
+                                                                         f.lse.as<float>());
+  }
+  MSA_CUDA_CHECK_LAUNCH("forward_merge_kernel");
+}
 
 void sparse_attention_forward(const Topology& topo, const PackedLayout& L, const SparsePlan& plan,
                               const AttentionForwardParams& p, const RunOptions& opt) {
   DeviceGuard guard(p.q.device.index);
   const PlanState& st = plan_state(plan);
-  const cudaStream_t s = as_stream(opt);
   const WorkspaceLayout w = workspace_layout(topo, L);
-  const int64_t Tq = L.total_q();
-  if (Tq == 0) return;
-  ForwardArgs a{};
-  a.q = p.q.as<const __nv_bfloat16>();
-  a.k = p.k.as<const __nv_bfloat16>();
-  a.v = p.v.as<const __nv_bfloat16>();
-  a.schedule = static_cast<const WorkItem*>(plan.schedule.data());
-  a.work_count = i32(plan.work_count_dev);
-  a.full_items = i32(st.schedule_full);
-  a.q_indices = i32(plan.q_indices);
-  a.split_slot = i32(plan.split_slot);
-  a.docs = doc_ptr(st);
-  a.status = i32(plan.status);
-  a.part_ml = ws<float2>(st, w.part_ml);
-  a.total_q = Tq;
-  a.Hq = topo.num_q_heads;
-  a.Hkv = topo.num_kv_heads;
-  a.nsub = int(ceil_div(plan.q_per_cta, kQueriesPerTask));
-  a.scale_log2 = topo.attention_scale() * math::kLog2e;
-  const int64_t max_tasks = st.schedule_capacity * a.nsub;
-  if (max_tasks > 0) {
-    MSA_CUDA_CHECK(cudaFuncSetAttribute(forward_tasks_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-    __nv_bfloat16* part_o = ws<__nv_bfloat16>(st, w.part_o);
-    const CUtensorMap q_map = bf16_row_tile_map(a.q, Tq * a.Hq, kGroup, "q");
-    const CUtensorMap part_map = bf16_row_tile_map(part_o, kSlots * Tq * a.Hq, kGroup, "the partial-output workspace");
-    const int grid = int(std::min<int64_t>(max_tasks, sm_count()));
-    forward_tasks_kernel<<<grid, kThreads, kSmemBytes, s>>>(a, q_map, part_map);
-    MSA_CUDA_CHECK_LAUNCH("forward_tasks_kernel");
-  }
-  const int blocks = int(ceil_div(Tq * topo.num_q_heads * kMergeChunks, kMergeThreads));
-  if (p.out.dtype == DType::f32) {
-    forward_merge_kernel<float><<<blocks, kMergeThreads, 0, s>>>(ws<__nv_bfloat16>(st, w.part_o), a.part_ml, i32(plan.split_counts), a.status, Tq,
-                                                       a.Hq, a.Hkv, p.out.as<float>(), p.lse.as<float>());
-  } else {
-    forward_merge_kernel<__nv_bfloat16><<<blocks, kMergeThreads, 0, s>>>(ws<__nv_bfloat16>(st, w.part_o), a.part_ml, i32(plan.split_counts), a.status,
-                                                               Tq, a.Hq, a.Hkv, p.out.as<__nv_bfloat16>(),
-                                                               p.lse.as<float>());
-  }
-  MSA_CUDA_CHECK_LAUNCH("forward_merge_kernel");
+  ForwardLaunch f;
+  f.kind = KvSourceKind::packed_bf16;
+  const int64_t row_bytes = int64_t(topo.num_kv_heads) * kDim * 2;  // one packed token, all KV heads
+  f.kv.k = static_cast<const uint8_t*>(p.k.data);
+  f.kv.v = static_cast<const uint8_t*>(p.v.data);
+  f.kv.k_row = f.kv.v_row = row_bytes;
+  f.kv.k_head = f.kv.v_head = kDim * 2;
+  f.q = p.q;
+  f.schedule = static_cast<const WorkItem*>(plan.schedule.data());
+  f.schedule_capacity = st.schedule_capacity;
+  f.work_count = i32(plan.work_count_dev);
+  f.full_items = i32(st.schedule_full);
+  f.q_indices = i32(plan.q_indices);
+  f.split_slot = i32(plan.split_slot);
+  f.split_counts = i32(plan.split_counts);
+  f.status = i32(plan.status);
+  f.docs = doc_ptr(st);
+  f.q_per_cta = plan.q_per_cta;
+  f.part_o = ws<__nv_bfloat16>(st, w.part_o);
+  f.part_ml = ws<float2>(st, w.part_ml);
+  f.total_q = L.total_q();
+  f.Hq = topo.num_q_heads;
+  f.Hkv = topo.num_kv_heads;
+  f.softmax_scale = topo.attention_scale();
+  f.out = p.out;
+  f.lse = p.lse;
+  run_sparse_forward(f, as_stream(opt));
 }
 
 }  // namespace msa::cuda

@@ -17,6 +17,7 @@
 #include "plan_records.h"
 #include "cuda/common.cuh"
 #include "cuda/device_layout.cuh"
+#include "cuda/plan_build.h"
 #include "core/buffer_pack.h"
 #include "cuda/scratch.h"
 #include "cuda/workspace.h"
@@ -368,54 +369,46 @@ void build_items(const int32_t* row_ptr, int Hkv, int32_t total_rows, int per_it
 
 }  // namespace
 
-void build_plan(const Topology& topo, const PackedLayout& L, const TensorView& topk, const TensorView& workspace,
-                SparsePlan& plan, const RunOptions& opt) {
-  const Device dev = topk.device;
-  DeviceGuard guard(dev.index);
-  const cudaStream_t s = as_stream(opt);
+void upload_layout(const Topology& topo, const PackedLayout& L, SparsePlan& plan, PlanState& state, bool with_chunks,
+                   cudaStream_t s) {
   const int Hkv = topo.num_kv_heads, B = L.num_documents();
-  const int64_t total_q = L.total_q(), rows = plan.total_rows;
-  const int64_t edges = int64_t(Hkv) * total_q * kTopk;
-  if (edges >= (int64_t(1) << 31) || total_q >= (int64_t(1) << 27) || Hkv * (rows + 1) >= (int64_t(1) << 31))
-    throw Error(ErrorKind::unsupported, "build_plan (CUDA): Hkv * total_q * topk (16) must be below 2^31, got " +
-                                            std::to_string(edges));
-
-  // Nothing below allocates outside the device allocator, copies from pageable memory or
-  // waits for the device, so a plan can be built during CUDA-graph capture.
-  auto state = std::make_shared<PlanState>();
+  const int64_t rows = plan.total_rows;
   const HostRows host_rows = number_rows(L);
   const std::vector<DocInfo> docs = doc_table(L);
   std::vector<int32_t> docs_flat;
   for (const DocInfo& d : docs) docs_flat.insert(docs_flat.end(), {d.q_start, d.q_len, d.k_start, d.k_len});
-  void* const sv = opt.stream;
-  state->num_documents = B;
-  const int64_t schedule_capacity = plan.schedule.view().shape[0];
-  state->schedule_capacity = schedule_capacity;
-  state->chunk_capacity = chunk_capacity(topo, L);
+  state.num_documents = B;
+  state.schedule_capacity = plan.schedule.view().shape[0];
+  state.chunk_capacity = with_chunks ? chunk_capacity(topo, L) : 0;
+  const int64_t per_row = with_chunks ? std::max<int64_t>(Hkv * rows, 1) : 1;
   detail::BufferPack buffers;
-  buffers.add(&state->docs, DType::i32, {B, 4});
-  buffers.add(&state->cu_q, DType::i32, {B + 1});
-  buffers.add(&state->doc_row_base, DType::i32, {B});
-  buffers.add(&state->row_of, DType::i32, {std::max<int64_t>(rows, 1)});
+  buffers.add(&state.docs, DType::i32, {B, 4});
+  buffers.add(&state.cu_q, DType::i32, {B + 1});
+  buffers.add(&state.doc_row_base, DType::i32, {B});
+  buffers.add(&state.row_of, DType::i32, {std::max<int64_t>(rows, 1)});
   buffers.add(&plan.status, DType::i32, {4});
-  buffers.add(&state->chunks, DType::i32, {std::max<int64_t>(state->chunk_capacity, 1), 6});
-  buffers.add(&state->chunk_count, DType::i32, {1});
-  buffers.add(&state->schedule_full, DType::i32, {1});
-  buffers.add(&state->chunk_first, DType::i32, {std::max<int64_t>(Hkv * rows, 1)});
-  buffers.add(&state->chunk_nfull, DType::i32, {std::max<int64_t>(Hkv * rows, 1)});
-  buffers.add(&state->chunk_tail, DType::i32, {std::max<int64_t>(Hkv * rows, 1)});
-  buffers.allocate(dev, sv);
-  {
-    Uploader up(s);
-    up.add(state->docs, docs_flat);
-    up.add(state->cu_q, L.cu_seqlens_q());
-    up.add(state->doc_row_base, host_rows.doc_row_base);
-    up.add(state->row_of, host_rows.row_of);
-    up.add(plan.rows, host_rows.rows);
-    up.flush();
-  }
-  state->keys_overlap = key_ranges_overlap(L);
+  buffers.add(&state.chunks, DType::i32, {std::max<int64_t>(state.chunk_capacity, 1), 6});
+  buffers.add(&state.chunk_count, DType::i32, {1});
+  buffers.add(&state.schedule_full, DType::i32, {1});
+  buffers.add(&state.chunk_first, DType::i32, {per_row});
+  buffers.add(&state.chunk_nfull, DType::i32, {per_row});
+  buffers.add(&state.chunk_tail, DType::i32, {per_row});
+  buffers.allocate(plan.device, static_cast<void*>(s));
+  Uploader up(s);
+  up.add(state.docs, docs_flat);
+  up.add(state.cu_q, L.cu_seqlens_q());
+  up.add(state.doc_row_base, host_rows.doc_row_base);
+  up.add(state.row_of, host_rows.row_of);
+  up.add(plan.rows, host_rows.rows);
+  up.flush();
+  state.keys_overlap = key_ranges_overlap(L);
+}
 
+void build_schedule(const Topology& topo, const TensorView& topk, SparsePlan& plan, PlanState& state, bool with_chunks,
+                    cudaStream_t s) {
+  const int Hkv = topo.num_kv_heads, B = state.num_documents;
+  const int64_t total_q = plan.total_q, rows = plan.total_rows;
+  const int64_t edges = int64_t(Hkv) * total_q * kTopk;
   plan.work_count = -1;
   MSA_CUDA_CHECK(cudaMemsetAsync(plan.status.data(), 0, size_t(plan.status.bytes()), s));
   MSA_CUDA_CHECK(cudaMemsetAsync(plan.q_indices.data(), 0xff, size_t(plan.q_indices.bytes()), s));
@@ -428,8 +421,8 @@ void build_plan(const Topology& topo, const PackedLayout& L, const TensorView& t
     const int32_t sentinel = int32_t(Hkv * rows);
     StreamScratch keys_in(edges * 4, s), keys_out(edges * 4, s), vals_in(edges * 4, s), vals_out(edges * 4, s);
     plan_edges_kernel<<<blocks_for(Hkv * total_q), kThreads, 0, s>>>(
-        topk.as<const int32_t>(), int32_t(total_q), Hkv, B, i32(state->cu_q), doc_ptr(*state),
-        i32(state->doc_row_base), i32(state->row_of), int32_t(rows), keys_in.as<int32_t>(),
+        topk.as<const int32_t>(), int32_t(total_q), Hkv, B, i32(state.cu_q), doc_ptr(state),
+        i32(state.doc_row_base), i32(state.row_of), int32_t(rows), keys_in.as<int32_t>(),
         vals_in.as<int32_t>(), static_cast<int32_t*>(plan.split_counts.data()), static_cast<int32_t*>(plan.status.data()));
     MSA_CUDA_CHECK_LAUNCH("plan_edges_kernel");
     size_t sort_bytes = 0;
@@ -449,17 +442,34 @@ void build_plan(const Topology& topo, const PackedLayout& L, const TensorView& t
       MSA_CUDA_CHECK_LAUNCH("plan_row_ptr_kernel");
     }
   }
-  build_items(static_cast<const int32_t*>(plan.row_ptr.data()), Hkv, int32_t(rows), plan.q_per_cta, schedule_capacity,
-              static_cast<const int32_t*>(plan.rows.data()), static_cast<WorkItem*>(plan.schedule.data()),
-              static_cast<int32_t*>(plan.work_count_dev.data()), i32(state->schedule_full), nullptr, nullptr, nullptr,
-              s);
-  build_items(static_cast<const int32_t*>(plan.row_ptr.data()), Hkv, int32_t(rows), kChunkQueries,
-              state->chunk_capacity, static_cast<const int32_t*>(plan.rows.data()),
-              static_cast<WorkItem*>(state->chunks.data()),
-              i32(state->chunk_count), nullptr, i32(state->chunk_first), i32(state->chunk_nfull),
-              i32(state->chunk_tail), s);
+  build_items(static_cast<const int32_t*>(plan.row_ptr.data()), Hkv, int32_t(rows), plan.q_per_cta,
+              state.schedule_capacity, static_cast<const int32_t*>(plan.rows.data()),
+              static_cast<WorkItem*>(plan.schedule.data()), static_cast<int32_t*>(plan.work_count_dev.data()),
+              i32(state.schedule_full), nullptr, nullptr, nullptr, s);
+  if (with_chunks)
+    build_items(static_cast<const int32_t*>(plan.row_ptr.data()), Hkv, int32_t(rows), kChunkQueries,
+                state.chunk_capacity, static_cast<const int32_t*>(plan.rows.data()),
+                static_cast<WorkItem*>(state.chunks.data()), i32(state.chunk_count), nullptr, i32(state.chunk_first),
+                i32(state.chunk_nfull), i32(state.chunk_tail), s);
+}
 
-  attach_workspace(topo, L, workspace, *state, dev, sv);
+void build_plan(const Topology& topo, const PackedLayout& L, const TensorView& topk, const TensorView& workspace,
+                SparsePlan& plan, const RunOptions& opt) {
+  const Device dev = topk.device;
+  DeviceGuard guard(dev.index);
+  const cudaStream_t s = as_stream(opt);
+  const int64_t total_q = L.total_q(), rows = plan.total_rows;
+  const int64_t edges = int64_t(topo.num_kv_heads) * total_q * kTopk;
+  if (edges >= (int64_t(1) << 31) || total_q >= (int64_t(1) << 27) ||
+      topo.num_kv_heads * (rows + 1) >= (int64_t(1) << 31))
+    throw Error(ErrorKind::unsupported, "build_plan (CUDA): Hkv * total_q * topk (16) must be below 2^31, got " +
+                                            std::to_string(edges));
+  // Nothing below allocates outside the device allocator, copies from pageable memory or
+  // waits for the device, so a plan can be built during CUDA-graph capture.
+  auto state = std::make_shared<PlanState>();
+  upload_layout(topo, L, plan, *state, true, s);
+  build_schedule(topo, topk, plan, *state, true, s);
+  attach_workspace(topo, L, workspace, *state, dev, opt.stream);
   plan.backend = state;
 }
 

@@ -5,6 +5,7 @@
 
 #include <mutex>
 #include <sstream>
+#include <string>
 
 #include "backend.h"
 #include "cuda/common.cuh"
@@ -26,24 +27,40 @@ PFN_cuTensorMapEncodeTiled_v12000 encoder() {
   return fn;
 }
 
-}  // namespace
-
-CUtensorMap bf16_row_tile_map(const void* base, int64_t rows, int box_rows, const char* what) {
+// Encodes a bf16 map of rank `rank` (dims innermost first, byte strides of dims 1..) with the
+// 128-byte swizzle; `shape` describes it in the error the driver's refusal raises.
+CUtensorMap encode_bf16(int rank, const void* base, const cuuint64_t* dims, const cuuint64_t* strides,
+                        const cuuint32_t* box, const char* what, const std::string& shape) {
   CUtensorMap map{};
-  const cuuint64_t dims[2] = {128, cuuint64_t(rows > 0 ? rows : 1)};
-  const cuuint64_t strides[1] = {128 * 2};
-  const cuuint32_t box[2] = {64, cuuint32_t(box_rows)};
-  const cuuint32_t element_strides[2] = {1, 1};
-  const CUresult r = encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, const_cast<void*>(base), dims, strides, box,
-                               element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const CUresult r = encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, cuuint32_t(rank), const_cast<void*>(base), dims,
+                               strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
   if (r != CUDA_SUCCESS) {
     std::ostringstream os;
-    os << "cuTensorMapEncodeTiled for " << what << " failed with error " << int(r) << " (" << rows << " rows at " << base
+    os << "cuTensorMapEncodeTiled for " << what << " failed with error " << int(r) << " (" << shape << " at " << base
        << ")";
     throw Error(ErrorKind::runtime, os.str());
   }
   return map;
+}
+
+}  // namespace
+
+CUtensorMap bf16_row_tile_map(const void* base, int64_t rows, int box_rows, const char* what) {
+  const cuuint64_t dims[2] = {128, cuuint64_t(rows > 0 ? rows : 1)};
+  const cuuint64_t strides[1] = {128 * 2};
+  const cuuint32_t box[2] = {64, cuuint32_t(box_rows)};
+  return encode_bf16(2, base, dims, strides, box, what, std::to_string(rows) + " rows");
+}
+
+CUtensorMap bf16_head_tile_map(const void* base, int64_t tokens, int64_t heads, int64_t token_stride,
+                               int64_t head_stride, int box_heads, const char* what) {
+  const cuuint64_t dims[3] = {128, cuuint64_t(heads), cuuint64_t(tokens > 0 ? tokens : 1)};
+  const cuuint64_t strides[2] = {cuuint64_t(head_stride) * 2, cuuint64_t(token_stride) * 2};
+  const cuuint32_t box[3] = {64, cuuint32_t(box_heads), 1};
+  return encode_bf16(3, base, dims, strides, box, what,
+                     std::to_string(tokens) + " tokens x " + std::to_string(heads) + " heads");
 }
 
 }  // namespace msa::cuda

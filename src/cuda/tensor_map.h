@@ -15,4 +15,11 @@ namespace msa::cuda {
 // tensor in the error raised when the driver refuses the descriptor.
 CUtensorMap bf16_row_tile_map(const void* base, int64_t rows, int box_rows, const char* what);
 
+// Describes a [tokens, heads, 128] bf16 tensor with any 16-byte-multiple strides (elements
+// token_stride, head_stride), copied in boxes of `box_heads` heads of one token x 64 columns,
+// same swizzle: a box fills head rows of one column half of a tile. Tokens past the end read
+// as zero.
+CUtensorMap bf16_head_tile_map(const void* base, int64_t tokens, int64_t heads, int64_t token_stride,
+                               int64_t head_stride, int box_heads, const char* what);
+
 }  // namespace msa::cuda

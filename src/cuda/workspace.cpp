@@ -17,15 +17,23 @@ struct Cursor {
 };
 }  // namespace
 
+WorkspaceLayout forward_workspace_layout(int64_t Tq, int Hkv) {
+  const int64_t Hq = 16 * int64_t(Hkv);
+  WorkspaceLayout w;
+  Cursor fwd;
+  w.part_o = fwd.take(16 * Tq * Hq * 128 * 2);
+  w.part_ml = fwd.take(16 * Tq * Hq * 8);
+  w.total = fwd.at;
+  return w;
+}
+
 // Regions used by modes that never run together overlap:
 //   [0, A): forward partials | deterministic dQ partials | atomic dQ/dK/dV accumulators | KL
 //   [A, ...): delta, per-chunk and per-row dK/dV (backward, KL).
 WorkspaceLayout workspace_layout(int64_t Tq, int64_t Tk, int Hkv, int64_t rows, int64_t chunks) {
   const int64_t Hq = 16 * int64_t(Hkv), Hi = Hkv;
-  WorkspaceLayout w;
-  Cursor fwd;
-  w.part_o = fwd.take(16 * Tq * Hq * 128 * 2);
-  w.part_ml = fwd.take(16 * Tq * Hq * 8);
+  WorkspaceLayout w = forward_workspace_layout(Tq, Hkv);
+  Cursor fwd{w.total};
   Cursor det;
   w.dq_part = det.take(16 * Tq * Hq * 128 * 2);
   Cursor atomic;

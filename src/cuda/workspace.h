@@ -30,6 +30,8 @@ struct WorkspaceLayout {
 };
 
 WorkspaceLayout workspace_layout(int64_t total_q, int64_t total_k, int Hkv, int64_t total_rows, int64_t chunk_capacity);
+// Only the forward's regions (part_o, part_ml; total = their size): what paged prefill holds.
+WorkspaceLayout forward_workspace_layout(int64_t total_q, int Hkv);
 // The layout for a plan of `L` (what every operation on such a plan uses).
 WorkspaceLayout workspace_layout(const Topology& topo, const PackedLayout& L);
 

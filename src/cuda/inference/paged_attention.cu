@@ -612,6 +612,7 @@ void launch_format(KvFormat f, const AttnArgs& a, dim3 grid, cudaStream_t stream
 
 void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, const RunOptions& opt) {
   DeviceGuard guard(p.q.device.index);
+  if (plan.phase == InferencePhase::prefill) return paged_prefill_attention(plan, p, opt);
   const cudaStream_t stream = as_stream(opt);
   const int64_t T = plan.total_q;
   if (T == 0) return;

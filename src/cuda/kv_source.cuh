@@ -1,0 +1,142 @@
+// Where the KV-outer attention forward (attention_forward.cu) reads a key block from: the
+// packed K / V tensors of training, or a paged K / V cache through the page table (paged
+// prefill) in bf16, FP8 E4M3 or NVFP4. The kernel is one; the source is its template policy.
+//
+// A key block is (document / request b, KV head g, block j) = keys j*128 .. j*128 + 127 of b.
+// Packed: rows k_start_b + j*128 .. of k[Tk, Hkv, 128]. Paged: logical page j of request b,
+// physical page page_table[b, j], rows of k_cache[page, g]. Quantised pages are widened to the
+// bf16 tiles the tensor cores read; their values are exact in bf16 (E4M3 codes, NVFP4's
+// E4M3-rounded products), and the scales are applied like the other paged kernels do:
+// per-tensor K scale and per-token K scales multiply the logits, per-token V scales the
+// probabilities, the per-tensor V scale the output.
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "cuda/common.cuh"
+#include "cuda/inference/quant.cuh"
+#include "msa/constants.h"
+
+namespace msa::cuda {
+
+enum class KvSourceKind { packed_bf16, paged_bf16, paged_fp8, paged_nvfp4 };
+
+template <KvSourceKind Kind>
+inline constexpr bool kQuantisedSource = Kind == KvSourceKind::paged_fp8 || Kind == KvSourceKind::paged_nvfp4;
+
+// Addresses of one source (byte strides). Packed: page stride unused, head stride = one row
+// of 128 bf16, row stride = Hkv rows.
+struct KvSource {
+  const uint8_t* k = nullptr;
+  const uint8_t* v = nullptr;
+  int64_t k_page = 0, k_head = 0, k_row = 0;
+  int64_t v_page = 0, v_head = 0, v_row = 0;
+  const uint8_t* k_block_scale = nullptr;  // NVFP4: [pages, Hkv, 128, 8] E4M3
+  const uint8_t* v_block_scale = nullptr;
+  int64_t ksf_page = 0, ksf_head = 0, ksf_row = 0;
+  int64_t vsf_page = 0, vsf_head = 0, vsf_row = 0;
+  const float* k_tensor_scale = nullptr;  // nullptr: 1
+  const float* v_tensor_scale = nullptr;
+  const float* k_token_scale = nullptr;   // FP8 per-(head, slot) scales; nullptr: none
+  const float* v_token_scale = nullptr;
+  int64_t k_token_stride = 0, v_token_stride = 0;  // elements between heads
+  const int32_t* page_table = nullptr;    // [B, max_pages]
+  int64_t max_pages = 0;
+};
+
+// One key block of one head, resolved: where its rows start and what its scales are.
+struct KeyBlockRows {
+  const uint8_t* k;
+  const uint8_t* v;
+  const uint8_t* ksf;  // NVFP4 block scales of row 0
+  const uint8_t* vsf;
+  int64_t slot0;       // paged: physical page * 128 (token slot of row 0)
+};
+
+template <KvSourceKind Kind>
+__device__ __forceinline__ KeyBlockRows key_block_rows(const KvSource& s, int b, int k_start, int g, int j) {
+  KeyBlockRows r{};
+  if constexpr (Kind == KvSourceKind::packed_bf16) {
+    const int64_t row0 = int64_t(k_start) + int64_t(j) * model::kBlockSize;
+    r.k = s.k + row0 * s.k_row + g * s.k_head;
+    r.v = s.v + row0 * s.v_row + g * s.v_head;
+  } else {
+    const int64_t page = s.page_table[int64_t(b) * s.max_pages + j];
+    r.k = s.k + page * s.k_page + g * s.k_head;
+    r.v = s.v + page * s.v_page + g * s.v_head;
+    r.slot0 = page * model::kPageSize;
+    if constexpr (Kind == KvSourceKind::paged_nvfp4) {
+      r.ksf = s.k_block_scale + page * s.ksf_page + g * s.ksf_head;
+      r.vsf = s.v_block_scale + page * s.vsf_page + g * s.vsf_head;
+    }
+  }
+  return r;
+}
+
+// Bytes of one stored row (128 values) and the 16-byte chunks it is read in.
+template <KvSourceKind Kind>
+inline constexpr int kSourceRowBytes = Kind == KvSourceKind::paged_fp8     ? model::kHeadDim
+                                       : Kind == KvSourceKind::paged_nvfp4 ? model::kHeadDim / 2
+                                                                            : model::kHeadDim * 2;
+template <KvSourceKind Kind>
+inline constexpr int kSourceChunks = kSourceRowBytes<Kind> / 16;
+// bf16 values (16-byte bf16 chunks: 8 values) one source chunk widens to.
+template <KvSourceKind Kind>
+inline constexpr int kWidened = 8 * model::kHeadDim / (8 * kSourceChunks<Kind>);
+
+// Reads source chunk c of a stored row and widens it to bf16 pairs: out[i] holds values
+// kWidened*c + 2i, +1 (low half first). Keys a block does not hold read as zeros.
+template <KvSourceKind Kind>
+__device__ __forceinline__ void load_widened(const uint8_t* row, const uint8_t* row_scales, int c, bool present,
+                                             uint32_t (&out)[kWidened<Kind> / 2]) {
+  uint4 x = make_uint4(0, 0, 0, 0);
+  if (present) x = __ldg(reinterpret_cast<const uint4*>(row + c * 16));
+  const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+  if constexpr (Kind == KvSourceKind::paged_fp8) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      out[2 * j] = inference::bf16x2_bits(inference::e4m3_to_f32(uint8_t(w[j])), inference::e4m3_to_f32(uint8_t(w[j] >> 8)));
+      out[2 * j + 1] =
+          inference::bf16x2_bits(inference::e4m3_to_f32(uint8_t(w[j] >> 16)), inference::e4m3_to_f32(uint8_t(w[j] >> 24)));
+    }
+  } else if constexpr (Kind == KvSourceKind::paged_nvfp4) {
+    // Values 32c .. 32c + 31: block scales 2c (words 0, 1) and 2c + 1 (words 2, 3).
+    uint32_t scales = 0;
+    if (present) scales = __ldg(reinterpret_cast<const uint16_t*>(row_scales) + c);
+    const float s0 = inference::e4m3_to_f32(uint8_t(scales)), s1 = inference::e4m3_to_f32(uint8_t(scales >> 8));
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float s = j < 2 ? s0 : s1;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const uint32_t byte = (w[j] >> (8 * e)) & 0xffu;
+        out[4 * j + e] = inference::bf16x2_bits(inference::e4m3_to_f32(inference::nvfp4_to_e4m3(byte & 0xfu, s)),
+                                                inference::e4m3_to_f32(inference::nvfp4_to_e4m3(byte >> 4, s)));
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) out[j] = w[j];
+  }
+}
+
+// The widened value pair (dims d, d + 1; d even) of one stored row, for the rare per-value path.
+template <KvSourceKind Kind>
+__device__ __forceinline__ float2 load_value_pair(const uint8_t* row, const uint8_t* row_scales, int d) {
+  if constexpr (Kind == KvSourceKind::paged_fp8) {
+    const uint16_t two = __ldg(reinterpret_cast<const uint16_t*>(row + d));
+    return make_float2(inference::e4m3_to_f32(uint8_t(two)), inference::e4m3_to_f32(uint8_t(two >> 8)));
+  } else if constexpr (Kind == KvSourceKind::paged_nvfp4) {
+    const uint32_t byte = __ldg(row + d / 2);
+    const float s = inference::e4m3_to_f32(__ldg(row_scales + d / 16));
+    return make_float2(inference::e4m3_to_f32(inference::nvfp4_to_e4m3(byte & 0xfu, s)),
+                       inference::e4m3_to_f32(inference::nvfp4_to_e4m3(byte >> 4, s)));
+  } else {
+    const uint32_t two = __ldg(reinterpret_cast<const uint32_t*>(row + 2 * d));
+    return make_float2(__uint_as_float(two << 16), __uint_as_float(two & 0xffff0000u));
+  }
+}
+
+}  // namespace msa::cuda
