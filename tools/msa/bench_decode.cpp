@@ -30,6 +30,7 @@
 #include <nlohmann/json.hpp>
 
 #include "bench.h"
+#include "bench_common.h"
 #include "case_io.h"
 #include "msa/inference.h"
 #include "msa/msa.h"
@@ -55,15 +56,6 @@ struct DecodeShape {
   KvFormat format = KvFormat::bf16;
 };
 
-const char* format_label(KvFormat f) {
-  switch (f) {
-    case KvFormat::bf16: return "bf16";
-    case KvFormat::fp8_e4m3: return "fp8";
-    case KvFormat::nvfp4: return "nvfp4";
-  }
-  return "?";
-}
-
 // K + V bytes of one token of one KV head.
 double kv_token_bytes(KvFormat f) {
   switch (f) {
@@ -72,18 +64,6 @@ double kv_token_bytes(KvFormat f) {
     case KvFormat::nvfp4: return 2.0 * (kDim / 2 + kDim / 16);
   }
   return 0;
-}
-
-// Splits "a,b,c" at the commas (an empty text is one empty item).
-std::vector<std::string> split_list(const std::string& text) {
-  std::vector<std::string> items;
-  size_t start = 0;
-  while (true) {
-    const size_t comma = text.find(',', start);
-    items.push_back(text.substr(start, comma == std::string::npos ? std::string::npos : comma - start));
-    if (comma == std::string::npos) return items;
-    start = comma + 1;
-  }
 }
 
 // "8,32,128": integers in [lo, hi].
@@ -99,19 +79,6 @@ std::vector<int64_t> parse_int_list(const std::string& text, const std::string& 
     values.push_back(v);
   }
   return values;
-}
-
-std::vector<KvFormat> parse_formats(const std::string& text) {
-  std::vector<KvFormat> formats;
-  for (const std::string& item : split_list(text)) {
-    KvFormat f = KvFormat::bf16;
-    if (item == "bf16") f = KvFormat::bf16;
-    else if (item == "fp8") f = KvFormat::fp8_e4m3;
-    else if (item == "nvfp4") f = KvFormat::nvfp4;
-    else invalid("--formats must be a comma-separated list of bf16, fp8, nvfp4, got '" + item + "'");
-    if (std::find(formats.begin(), formats.end(), f) == formats.end()) formats.push_back(f);
-  }
-  return formats;
 }
 
 // The shapes of the run, in table order: per Q, per format, batch-major. Everything is
@@ -144,106 +111,6 @@ std::vector<DecodeShape> decode_shapes(const BenchOptions& o, bool gpu) {
     }
   }
   return shapes;
-}
-
-// Cheap reproducible contents: bf16 values uniform in about [-1, 1] (or E4M3 codes without NaN,
-// or any byte for packed NVFP4 codes).
-void fill_bytes(StTensor& t, uint64_t seed) {
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
-  auto next = [&] {
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    return x;
-  };
-  if (t.dtype == DType::bf16) {
-    auto* p = reinterpret_cast<uint16_t*>(t.bytes.data());
-    for (int64_t i = 0; i < t.numel(); ++i) {
-      const uint64_t r = next();
-      // sign, exponent 2^-7 .. 2^0, random mantissa
-      p[i] = uint16_t(((r >> 63) << 15) | ((120 + (r >> 40) % 7) << 7) | (r & 0x7f));
-    }
-  } else if (t.dtype == DType::u8) {
-    for (auto& b : t.bytes) b = uint8_t(next() >> 56);
-  } else {
-    auto* p = reinterpret_cast<uint8_t*>(t.bytes.data());
-    for (int64_t i = 0; i < int64_t(t.bytes.size()); ++i) p[i] = uint8_t(next() >> 56) & 0xf7;  // no 0x7f / 0xff
-  }
-}
-
-// NVFP4 block scales as an insert of values in [-1, 1] writes them (max / 6): positive E4M3
-// codes of 2^-3 .. 2^-2 with random mantissas.
-void fill_block_scales(StTensor& t, uint64_t seed) {
-  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
-  for (auto& b : t.bytes) {
-    x ^= x << 13;
-    x ^= x >> 7;
-    x ^= x << 17;
-    b = uint8_t(((4 + (x >> 60) % 2) << 3) | (x & 7));
-  }
-}
-
-// The shared page pool, filled for the formats the run times.
-struct PagePool {
-  int64_t pages = 0;
-  Buffer index_k;                      // [pages, 128, 128] bf16
-  Buffer k_bf16, v_bf16, k_fp8, v_fp8;  // [pages, Hkv, 128, 128]
-  Buffer k_fp4, v_fp4, k_sf, v_sf;      // [pages, Hkv, 128, 64] u8, [pages, Hkv, 128, 8] e4m3
-  Buffer scale;                         // [1] f32, FP8's per-tensor scale
-
-  PagedKvCache cache(KvFormat f) const {
-    PagedKvCache c;
-    c.format = f;
-    if (f == KvFormat::bf16) {
-      c.k = k_bf16.view();
-      c.v = v_bf16.view();
-    } else if (f == KvFormat::fp8_e4m3) {
-      c.k = k_fp8.view();
-      c.v = v_fp8.view();
-      c.k_scale = scale.view();
-      c.v_scale = scale.view();
-    } else {
-      c.k = k_fp4.view();
-      c.v = v_fp4.view();
-      c.k_block_scale = k_sf.view();
-      c.v_block_scale = v_sf.view();
-    }
-    return c;
-  }
-};
-
-PagePool fill_pool(DeviceArena& arena, int64_t pages, int Hkv, const std::vector<DecodeShape>& shapes) {
-  auto uses = [&](KvFormat f) {
-    return std::any_of(shapes.begin(), shapes.end(), [&](const DecodeShape& s) { return s.format == f; });
-  };
-  // One host tensor at a time: a GPU pool holds about 1 GB per cache.
-  auto upload = [&](const std::string& name, DType dtype, std::vector<int64_t> shape, uint64_t seed, bool scales = false) {
-    StTensor t = make_tensor(name, dtype, std::move(shape));
-    if (scales) fill_block_scales(t, seed);
-    else fill_bytes(t, seed);
-    return arena.upload(t.view());
-  };
-  PagePool p;
-  p.pages = pages;
-  p.index_k = upload("ik", DType::bf16, {pages, kPage, kDim}, 3);
-  if (uses(KvFormat::bf16)) {
-    p.k_bf16 = upload("k", DType::bf16, {pages, Hkv, kPage, kDim}, 1);
-    p.v_bf16 = upload("v", DType::bf16, {pages, Hkv, kPage, kDim}, 2);
-  }
-  if (uses(KvFormat::fp8_e4m3)) {
-    p.k_fp8 = upload("k8", DType::f8e4m3, {pages, Hkv, kPage, kDim}, 4);
-    p.v_fp8 = upload("v8", DType::f8e4m3, {pages, Hkv, kPage, kDim}, 5);
-    StTensor sc = make_tensor("scale", DType::f32, {1});
-    *reinterpret_cast<float*>(sc.bytes.data()) = 0.05f;
-    p.scale = arena.upload(sc.view());
-  }
-  if (uses(KvFormat::nvfp4)) {
-    p.k_fp4 = upload("k4", DType::u8, {pages, Hkv, kPage, kDim / 2}, 6);
-    p.v_fp4 = upload("v4", DType::u8, {pages, Hkv, kPage, kDim / 2}, 7);
-    p.k_sf = upload("k4sf", DType::f8e4m3, {pages, Hkv, kPage, kDim / 16}, 8, true);
-    p.v_sf = upload("v4sf", DType::f8e4m3, {pages, Hkv, kPage, kDim / 16}, 9, true);
-  }
-  return p;
 }
 
 struct Part {
@@ -427,7 +294,10 @@ int run_bench_decode(const BenchOptions& o) {
   const int64_t pages = gpu ? std::max<int64_t>(64, (int64_t(1) << 30) / (int64_t(Hkv) * kPage * kDim * 2)) : 256;
   progress("filling a pool of " + std::to_string(pages) + " pages");
   DeviceArena arena(dev);
-  const PagePool pool = fill_pool(arena, pages, Hkv, shapes);
+  std::vector<KvFormat> formats;
+  for (const DecodeShape& s : shapes)
+    if (std::find(formats.begin(), formats.end(), s.format) == formats.end()) formats.push_back(s.format);
+  const PagePool pool = fill_pool(arena, pages, Hkv, formats);
 
   std::vector<DecodeRow> rows;
   for (const DecodeShape& pt : shapes) {
