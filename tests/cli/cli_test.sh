@@ -377,6 +377,123 @@ bench_decode)
   grep -q 'splits: --splits 2' stdout.txt || fail "the note does not name --splits"
   ;;
 
+bench_prefill)
+  # The prefill bench over a tiny manifest on the CPU: one table row and one JSON record per
+  # (case, format), production-weighted totals per stratum and overall.
+  cat >cases.jsonl <<'JSON'
+{"case_id":"prefill_aaaa1111bbbb2222cccc","tags":["representative"],"representative_weight":30,"stratum":"b1/t1_3/k_le_32k","count":1,"batch_size":1,"query_lens":[5],"prefix_lens":[300],"final_kv_lens":[305]}
+{"case_id":"prefill_dddd3333eeee4444ffff","tags":["representative","hot"],"representative_weight":10,"stratum":"b2/t1_3/k_le_32k","count":4,"batch_size":2,"query_lens":[3,4],"prefix_lens":[2048,256],"final_kv_lens":[2051,260]}
+
+{"case_id":"prefill_0000555566667777","tags":["hot"],"representative_weight":null,"stratum":null,"count":7,"batch_size":1,"query_lens":[2],"prefix_lens":[0],"final_kv_lens":[2]}
+JSON
+  expect 0 '' "$msa" bench --prefill cases.jsonl --backend cpu --tp 4 --formats bf16,fp8 --reps 1 --json prefill.json \
+    --csv prefill.csv
+  grep -q 'cases: representative (2 of 3 rows)' stdout.txt || fail "the selection is not reported"
+  header='^case +stratum +weight +batch +queries +max kv +cache +plan ms +indexer ms +attn ms +step ms +attn TF/s +idx TF/s +idx %$'
+  grep -qE "$header" stdout.txt || fail "the table header is not /$header/"
+  ms='[0-9]+\.[0-9]{3}' tf='([0-9.]+|-)'
+  row="^(aaaa1111 +b1/t1_3/k_le_32k +30 +1 +5 +305|dddd3333 +b2/t1_3/k_le_32k +10 +2 +7 +2051) +(bf16|fp8) +$ms +$ms +$ms +$ms +[0-9.]+ +$tf +[0-9.]+$"
+  [[ $(grep -cE "$row" stdout.txt) == 4 ]] || fail "the table lacks its 4 rows /$row/"
+  # Only the second case has rows that rank pages (16 pages before them).
+  grep -qE '^aaaa1111 .* - +[0-9.]+$' stdout.txt || fail "the first case's indexer rate is not '-'"
+  grep -qE '^dddd3333 .*bf16 .* [0-9.]+ +[0-9.]+ +[0-9.]+$' stdout.txt || fail "the second case has no indexer rate"
+  total='^all +(bf16|fp8) +2 +40 +[0-9]+\.[0-9]{3} +[0-9]+\.[0-9]{3}$'
+  [[ $(grep -cE "$total" stdout.txt) == 2 ]] || fail "no overall totals /$total/"
+  grep -qE '^b2/t1_3/k_le_32k +fp8 +1 +10 ' stdout.txt || fail "no per-stratum total"
+  grep -q '^wrote prefill.csv$' stdout.txt && grep -q '^wrote prefill.json$' stdout.txt || fail "no 'wrote' lines"
+  csv_header='case_id,line,stratum,weight,chunk,prefix,stands_for,batch,total_q,max_kv,cache,plan_ms,indexer_ms,attention_ms,step_ms,attention_tflops,indexer_tflops,indexer_share,attended_pairs,attention_flops,indexer_flops'
+  [[ $(head -1 prefill.csv) == "$csv_header" ]] || fail "CSV header: $(head -1 prefill.csv)"
+  [[ $(wc -l <prefill.csv) == 5 ]] || fail "CSV: $(wc -l <prefill.csv) lines, expected a header and 4 rows"
+  # Attended pairs, exactly (tp 4: one KV head). The first case attends every key up to each
+  # row: 301 + ... + 305 = 1515. The second: rows at 2048..2050 select 15 history pages and
+  # their own (1920 + 1, 2, 3 keys), rows at 256..259 every key (257 + ... + 260): 6800.
+  grep -q '^prefill_aaaa1111bbbb2222cccc,1,b1/t1_3/k_le_32k,30,,,,1,5,305,bf16,.*,1515,' prefill.csv ||
+    fail "CSV: the first case's attended pairs are not 1515"
+  grep -q '^prefill_dddd3333eeee4444ffff,2,.*,fp8,.*,6800,' prefill.csv || fail "CSV: the second case's attended pairs are not 6800"
+  for key in msa_version bench device heads repeats warmup timing flop_convention manifest results totals case_id line \
+             tags stratum weight batch query_lens prefix_lens total_q max_kv cache plan indexer attention step ms \
+             useful_flops tflops_per_s attended_pairs indexer_share cases weighted_ms step_ms_per_call; do
+    grep -q "\"$key\":" prefill.json || fail "prefill.json lacks \"$key\""
+  done
+  grep -q '"bench": "prefill"' prefill.json || fail "prefill.json does not name the prefill bench"
+  [[ $(grep -c '"cache":' prefill.json) == 10 ]] || fail "prefill.json: 4 results and 6 totals (2 strata + all, 2 formats)"
+  ls | grep -q '\.tmp$' && fail "a temporary file was left behind"
+  # Every row, by tag; a row with a null representative_weight has weight 0.
+  expect 0 '' "$msa" bench --prefill cases.jsonl --backend cpu --tp 4 --reps 1 --cases all
+  grep -q 'cases: all (3 of 3 rows)' stdout.txt || fail "--cases all"
+  grep -qE '^00005555 +- +0 +1 +2 +2 +bf16 ' stdout.txt || fail "the hot-only row (weight 0, no stratum)"
+  expect 0 '' "$msa" bench --prefill cases.jsonl --backend cpu --tp 4 --reps 1 --cases hot
+  grep -q 'cases: hot (2 of 3 rows)' stdout.txt || fail "--cases hot"
+  # A manifest without tags (the shape manifest's fields): every row, weighted by its count.
+  printf '%s\n' \
+    '{"schema_version":1,"case_id":"prefill_71ca49d3833621538e26","batch_size":1,"query_lens":[1],"prefix_lens":[0],"final_kv_lens":[1],"count":11,"metrics":{"total_q":1}}' \
+    '{"batch_size":1,"query_lens":[7],"prefix_lens":[200],"final_kv_lens":[207]}' >shapes.jsonl
+  expect 0 '' "$msa" bench --prefill shapes.jsonl --backend cpu --tp 4 --reps 1
+  grep -q 'cases: all (2 of 2 rows, the manifest has no tags)' stdout.txt || fail "a manifest without tags"
+  grep -qE '^71ca49d3 +- +11 +1 +1 +1 +bf16 ' stdout.txt || fail "the count as the weight"
+  grep -qE '^line 2 +- +1 +1 +7 +207 +bf16 ' stdout.txt || fail "a row without case_id or weight"
+  grep -qE '^all +bf16 +2 +12 ' stdout.txt || fail "the total weight of the shape manifest"
+  # A long prompt in chunks, every second chunk's worth timed: chunks 0, 2 (each for 2) and 4.
+  expect 0 '' "$msa" bench --prefill long:1280:256 --sample 2 --backend cpu --tp 4 --reps 1 --json long.json
+  grep -q 'long prompt: 1280 tokens in chunks of 256 (5 chunks); 3 of 5 chunks timed (--sample 2' stdout.txt ||
+    fail "the long prompt's header"
+  header='^chunk +prefix +queries +stands for +cache +plan ms +indexer ms +attn ms +step ms +attn TF/s +idx TF/s +idx %$'
+  grep -qE "$header" stdout.txt || fail "the long prompt's table header is not /$header/"
+  for want in ' +0 +0 +256 +2 +bf16 ' ' +2 +512 +256 +2 +bf16 ' ' +4 +1024 +256 +1 +bf16 '; do
+    grep -qE "^$want" stdout.txt || fail "no chunk row /$want/"
+  done
+  grep -q 'estimate: sum over the timed chunks of time x the chunks it stands for' stdout.txt || fail "the estimate is not explained"
+  grep -qE '^bf16 +3 +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+ +[0-9.]+$' stdout.txt || fail "no whole-prompt total"
+  for key in long_prompt tokens chunk chunks sample chunks_timed estimate stands_for prefix estimated_ms; do
+    grep -q "\"$key\":" long.json || fail "long.json lacks \"$key\""
+  done
+  ;;
+
+bench_prefill_errors)
+  # Refused before anything is filled or timed, naming the file, the line and the field.
+  printf '%s\n' '{"batch_size":1,"query_lens":[5],"prefix_lens":[300],"final_kv_lens":[305]}' \
+    '{"batch_size":1,"query_lens":[5],' >bad_json.jsonl
+  printf '%s\n' '{"batch_size":1,"query_lens":[5],"prefix_lens":[300]}' \
+    '{"batch_size":2,"query_lens":[5],"prefix_lens":[300,1]}' >short_list.jsonl
+  printf '%s\n' '{"batch_size":1,"query_lens":[5],"prefix_lens":[300],"final_kv_lens":[306]}' >bad_kv.jsonl
+  printf '%s\n' '{"batch_size":1,"query_lens":[0],"prefix_lens":[300]}' >zero_q.jsonl
+  printf '%s\n' '{"query_lens":[5],"prefix_lens":[300]}' >no_batch.jsonl
+  printf '%s\n' '{"batch_size":1,"query_lens":[5],"prefix_lens":[1048576]}' >too_long.jsonl
+  printf '%s\n' '{"batch_size":1,"query_lens":[5],"prefix_lens":[3],"tags":["hot"]}' >tagged.jsonl
+  : >empty.jsonl
+  p="msa bench: error: --prefill"
+  expect 2 "$p absent.jsonl: no such file" "$msa" bench --prefill absent.jsonl --backend cpu
+  expect 2 "$p bad_json.jsonl: line 2 is not valid JSON" "$msa" bench --prefill bad_json.jsonl --backend cpu
+  expect 2 "$p short_list.jsonl: line 2: query_lens must have batch_size = 2 entries, got 1" \
+    "$msa" bench --prefill short_list.jsonl --backend cpu
+  expect 2 "$p bad_kv.jsonl: line 1: final_kv_lens\[0\] = 306 must equal prefix_lens\[0\] \+ query_lens\[0\] = 305" \
+    "$msa" bench --prefill bad_kv.jsonl --backend cpu
+  expect 2 "$p zero_q.jsonl: line 1: query_lens\[0\] must be in \[1, 1048576\], got 0" \
+    "$msa" bench --prefill zero_q.jsonl --backend cpu
+  expect 2 "$p no_batch.jsonl: line 1: field 'batch_size' is missing" "$msa" bench --prefill no_batch.jsonl --backend cpu
+  expect 2 "$p too_long.jsonl: line 1: .* = 1048581 exceeds 1048576 tokens" "$msa" bench --prefill too_long.jsonl --backend cpu
+  expect 2 "$p empty.jsonl: the manifest has no rows" "$msa" bench --prefill empty.jsonl --backend cpu
+  expect 2 "msa bench: error: --cases representative: no row of tagged.jsonl is tagged 'representative' \(its tags: hot\)" \
+    "$msa" bench --prefill tagged.jsonl --backend cpu
+  expect 2 "msa bench: error: --formats .*bf16, fp8, nvfp4.*'fp16'" \
+    "$msa" bench --prefill tagged.jsonl --cases hot --formats bf16,fp16 --backend cpu
+  expect 2 "msa bench: error: --prefill and --decode are two different benches" "$msa" bench --prefill tagged.jsonl --decode
+  expect 2 "msa bench: error: --tokens applies to the training bench only; --prefill" "$msa" bench --prefill tagged.jsonl --tokens 4k
+  expect 2 "msa bench: error: --selection applies to the training bench only" \
+    "$msa" bench --prefill tagged.jsonl --selection coherent
+  expect 2 "msa bench: error: --queries applies to the decode bench" "$msa" bench --prefill tagged.jsonl --queries 2
+  expect 2 "msa bench: error: --cases applies to the prefill bench \(--prefill\) only" "$msa" bench --cases all --tokens 128
+  expect 2 "msa bench: error: --sample applies to the prefill bench" "$msa" bench --decode --sample 2
+  expect 2 "msa bench: error: --formats applies to the decode and prefill benches" "$msa" bench --formats fp8 --tokens 128
+  expect 2 "msa bench: error: --sample applies to a long prompt" "$msa" bench --prefill tagged.jsonl --cases hot --sample 2
+  expect 2 "msa bench: error: --cases selects manifest rows" "$msa" bench --prefill long:4k:1k --cases all
+  expect 2 "msa bench: error: --prefill long:N:C .* must have two token counts" "$msa" bench --prefill long:4k --backend cpu
+  expect 2 "msa bench: error: --prefill long:N:C .*: N must be in \[1, 1048576\]" "$msa" bench --prefill long:2m:16k --backend cpu
+  expect 2 "msa bench: error: --prefill long:N:C .*: C must be a token count .*'x'" "$msa" bench --prefill long:4k:x --backend cpu
+  expect 2 "msa bench: error: --json: .*no/such/dir" "$msa" bench --prefill tagged.jsonl --json no/such/dir/p.json
+  ls | grep -qE '\.(json|csv)$' && fail "a refused bench wrote a file"
+  ;;
+
 *)
   fail "unknown case"
   ;;

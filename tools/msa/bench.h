@@ -14,7 +14,7 @@ struct BenchOptions {
   std::string sizes;              // "4096,8192"; empty: 4k, 8k on the CPU, 4k..128k on a GPU
   std::string sizes_option = "--tokens";  // the option that gave `sizes`, for messages
   std::string selection = "both";  // independent | coherent | both
-  int repeats = 0;                // timed runs per step after warm-up; 0: 3 on the CPU (decode 2), 10 on a GPU
+  int repeats = 0;                // timed runs per step after warm-up; 0: 3 on the CPU (decode, prefill 2), 10 on a GPU
   int threads = 0;
   int tp = 1;                     // MiniMax-M3 tensor-parallel shard: Hq = 64 / tp, Hkv = Hi = 4 / tp
   uint64_t seed = 1;
@@ -27,10 +27,16 @@ struct BenchOptions {
   std::string queries;            // queries per request, "1,2,4,8,16"
   std::string formats;            // K/V cache formats, "bf16,fp8,nvfp4"
   int splits = 0;                 // decode split-K count; 0: the plan's automatic choice
+  // Prefill (bench_prefill.cpp): a manifest of step shapes, one JSON object a line, or
+  // "long:N:C" (one prompt of N tokens prefilled in chunks of C). `formats` as for decode.
+  std::string prefill;
+  std::string cases;              // manifest rows: representative | all | a tag; empty: the default
+  int sample = 1;                 // long prompts: time one chunk of every `sample`
 };
 
 int run_bench(const BenchOptions& options);
 int run_bench_decode(const BenchOptions& options);
+int run_bench_prefill(const BenchOptions& options);
 
 // Writes `text` to `path` through a temporary file (a reader never sees half a file); the
 // benchmarks rewrite their CSV / JSON after every row.

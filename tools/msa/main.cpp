@@ -99,7 +99,7 @@ int main(int argc, char** argv) {
                "backward (also deterministic) and KL on one document per size (MiniMax-M3 heads) for independent and "
                "coherent selections; median of repeats after warm-up (CUDA events on a GPU). A table on stdout; "
                "--csv / --json also write the rows to files. --decode times decode steps instead (options marked "
-               "--decode).");
+               "--decode); --prefill times prefill steps over a manifest of shapes (options marked --prefill).");
   bench_cmd->add_flag("--decode", bench.decode,
                       "Time decode steps instead: paged indexer, attention and the whole step per (batch, context, "
                       "queries per request, cache format), with GB/s and % of the device's copy bandwidth; --json "
@@ -110,12 +110,27 @@ int main(int argc, char** argv) {
       bench_cmd->add_option("--contexts", bench.contexts,
                             "--decode: KV tokens per request, e.g. 4k,32k,128k (default: 4k,32k,128k on a GPU, 4k on the CPU)"),
       bench_cmd->add_option("--queries", bench.queries, "--decode: queries per request, each in 1..16, e.g. 1,2,4,8,16 (default 8)"),
-      bench_cmd->add_option("--formats", bench.formats,
-                            "--decode: K/V cache formats, any of bf16,fp8,nvfp4, each at every shape (default: bf16 at "
-                            "every shape and fp8 at the middle batch and context)"),
       bench_cmd->add_option("--splits", bench.splits, "--decode: attention split-K count 1, 2, 4, 8 or 16; 0 = the plan's automatic choice")
           ->check(CLI::IsMember({0, 1, 2, 4, 8, 16}))
           ->capture_default_str()};
+  CLI::Option* formats_opt = bench_cmd->add_option(
+      "--formats", bench.formats,
+      "--decode, --prefill: K/V cache formats, any of bf16,fp8,nvfp4, each at every shape (default: --decode bf16 at "
+      "every shape and fp8 at the middle batch and context; --prefill bf16)");
+  CLI::Option* prefill_opt = bench_cmd->add_option(
+      "--prefill", bench.prefill,
+      "Time paged prefill steps instead: plan, indexer, attention and the whole step per case of FILE (one JSON "
+      "object a line: batch_size, query_lens, prefix_lens, final_kv_lens; optional case_id, tags, "
+      "representative_weight, stratum, count) and cache format, with sparse TFLOP/s and production-weighted totals "
+      "per stratum; or long:N:C, one prompt of N tokens prefilled in chunks of C (e.g. long:1m:16k)");
+  const std::vector<CLI::Option*> prefill_opts = {
+      bench_cmd->add_option("--cases", bench.cases,
+                            "--prefill: the manifest rows to time: representative, all, or a tag (default: "
+                            "representative, every row when the manifest has no tags)"),
+      bench_cmd->add_option("--sample", bench.sample,
+                            "--prefill long:N:C: time the middle chunk of every group of this many consecutive chunks, "
+                            "counted for the group in the prompt's total (default 1: every chunk)")
+          ->check(CLI::Range(1, 1 << 20))};
   bench_cmd->add_option("--json", bench.json_path, "Also write the results as JSON to this file")->check(output_file);
   CLI::Option* csv_opt =
       bench_cmd->add_option("--csv", bench.csv_path, "Also write the results as CSV to this file")->check(output_file);
@@ -129,7 +144,7 @@ int main(int argc, char** argv) {
   CLI::Option* selection_opt = bench_cmd->add_option("--selection", bench.selection, "independent, coherent or both")
       ->check(CLI::IsMember({"independent", "coherent", "both"}))
       ->capture_default_str();
-  CLI::Option* repeats_opt = bench_cmd->add_option("--repeats", bench.repeats, "Timed runs per step (default 3 on the CPU, decode 2; 10 on a GPU)")
+  CLI::Option* repeats_opt = bench_cmd->add_option("--repeats", bench.repeats, "Timed runs per step (default 3 on the CPU, decode and prefill 2; 10 on a GPU)")
       ->check(CLI::Range(1, 100000));
   bench_cmd->add_option("--reps", bench.repeats, "Same as --repeats")->check(CLI::Range(1, 100000))->excludes(repeats_opt);
   bench_cmd->add_option("--threads", bench.threads, "CPU threads (0 = all)")->check(CLI::Range(0, 4096));
@@ -220,13 +235,22 @@ int main(int argc, char** argv) {
     }
     if (*bench_cmd) {
       if (sizes_opt->count() > 0) bench.sizes_option = "--sizes";
+      const bool prefill = prefill_opt->count() > 0;
+      auto refuse = [](const std::string& message) { throw msa::Error(msa::ErrorKind::invalid_argument, message); };
+      if (prefill && bench.decode) refuse("--prefill and --decode are two different benches: give one of them");
       for (const CLI::Option* opt : decode_opts)
-        if (!bench.decode && opt->count() > 0)
-          throw msa::Error(msa::ErrorKind::invalid_argument, opt->get_name() + " applies to the decode bench (--decode) only");
-      for (const CLI::Option* opt : {tokens_opt, sizes_opt, selection_opt})
+        if (!bench.decode && opt->count() > 0) refuse(opt->get_name() + " applies to the decode bench (--decode) only");
+      for (const CLI::Option* opt : prefill_opts)
+        if (!prefill && opt->count() > 0) refuse(opt->get_name() + " applies to the prefill bench (--prefill) only");
+      if (!bench.decode && !prefill && formats_opt->count() > 0)
+        refuse("--formats applies to the decode and prefill benches (--decode, --prefill) only");
+      for (const CLI::Option* opt : {tokens_opt, sizes_opt, selection_opt}) {
         if (bench.decode && opt->count() > 0)
-          throw msa::Error(msa::ErrorKind::invalid_argument,
-                           opt->get_name() + " applies to the training bench only; with --decode use --batches / --contexts");
+          refuse(opt->get_name() + " applies to the training bench only; with --decode use --batches / --contexts");
+        if (prefill && opt->count() > 0)
+          refuse(opt->get_name() + " applies to the training bench only; --prefill takes its shapes from the manifest");
+      }
+      if (prefill) return run_bench_prefill(bench);
       return run_bench(bench);
     }
     if (*make_cmd) return run_make_case(make);
