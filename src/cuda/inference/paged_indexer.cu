@@ -27,14 +27,29 @@ namespace {
 
 using namespace inference;
 
-constexpr int kThreads = 256;
-constexpr int kTileRows = 16;      // query rows per CTA (prefill; decode: the Q rows of a request)
-constexpr int kMaxVectors = 64;    // rows x index heads per request segment (16 x 4)
-constexpr int kMaxPagesPerCta = 8;
+constexpr int kThreads = 256;      // select_kernel
+constexpr int kList = kTopk - 1;   // ranked history slots at most (local_blocks >= 1)
 constexpr int kChunk = 16;                             // bytes of one 16-byte load / store
 constexpr int kBf16RowChunks = kHeadDim * 2 / kChunk;  // 16-byte chunks of a bf16 128-row
 constexpr int kFp8RowChunks = kHeadDim / kChunk;       // ... of an E4M3 row
-constexpr int kHalves = 2;                             // token halves of a page (warps 0-3, 4-7)
+
+// The two shapes of index_scores_kernel. Every page a CTA reads is multiplied with all of its
+// (row, index head) vectors, so the larger the tile, the fewer times a page crosses from L2:
+//   decode: a tile is one request's Q <= 16 rows (<= 64 vectors): 4 m-tiles of 16 vectors x
+//     2 token halves of a page = 8 warps, runs of up to 8 pages;
+//   prefill: 256 vectors (64 rows of 4 index heads): 16 m-tiles x the whole page = 16 warps,
+//     one CTA an SM, runs of up to 32 pages (the Q tile is loaded once a run).
+template <int MTiles, int Halves, int MaxPages>
+struct ScoreShape {
+  static constexpr int kMTiles = MTiles;
+  static constexpr int kHalves = Halves;                      // token slices of a page
+  static constexpr int kVectors = 16 * MTiles;                // (row, index head) vectors of a tile
+  static constexpr int kThreads = 32 * MTiles * Halves;
+  static constexpr int kFrags = kPageSize / Halves / 8;       // n8 fragments of a warp's tokens
+  static constexpr int kMaxPagesPerCta = MaxPages;
+};
+using DecodeScores = ScoreShape<4, 2, 8>;
+using PrefillScores = ScoreShape<16, 1, 32>;
 
 // A [Rows, 128] bf16 tile in the swizzled layout of tile_offset (device.cuh).
 template <int Rows>
@@ -43,16 +58,15 @@ struct Bf16Tile {
 };
 
 // Shared memory of index_scores_kernel (from a 1024-byte aligned base): the index-K page in
-// use, the segment's index-q vectors, and the two halves' page maxima of each vector.
+// use, the segment's index-q vectors, and each token slice's page maxima of each vector.
+template <class Shape>
 struct ScoresStorage {
   Bf16Tile<kPageSize> k;
-  Bf16Tile<kMaxVectors> q;
-  float partial[kHalves][kMaxVectors];
+  Bf16Tile<Shape::kVectors> q;
+  float partial[Shape::kHalves][Shape::kVectors];
 };
-static_assert(offsetof(ScoresStorage, k) == 0 && offsetof(ScoresStorage, q) % 1024 == 0,
+static_assert(offsetof(ScoresStorage<DecodeScores>, q) % 1024 == 0 && offsetof(ScoresStorage<PrefillScores>, q) % 1024 == 0,
               "index_scores_kernel: swizzled tiles must be 1024-byte aligned");
-static_assert(kThreads / 32 == 4 * kHalves, "warps = 4 m-tiles of 16 vectors x token halves");
-static_assert(kMaxVectors == 4 * 16, "4 m-tiles of 16 vectors");
 
 struct ScoreArgs {
   const uint8_t* q;        // bf16 or fp8
@@ -64,7 +78,7 @@ struct ScoreArgs {
   const int32_t* page_table;
   int64_t max_pages;
   int64_t row_begin, row_end;
-  int tile_rows;           // query rows of a CTA (<= kTileRows)
+  int tile_rows;           // query rows of a CTA (rows x index heads <= the shape's vectors)
   int pages_per_cta;       // logical pages of a run (<= kMaxPagesPerCta)
   int hi;
   int topk;
@@ -94,33 +108,33 @@ __device__ __forceinline__ void load_q_chunk(const ScoreArgs& a, int64_t row, in
   out = make_uint4(bf16x2_bits(v[0], v[1]), bf16x2_bits(v[2], v[3]), bf16x2_bits(v[4], v[5]), bf16x2_bits(v[6], v[7]));
 }
 
-// Register stage of one index-K page: bf16 = 8 x 16 bytes a thread, fp8 = 4 x 16 bytes.
-template <bool KFp8>
+// Register stage of one index-K page (NT threads): 16-byte chunks of the page's rows.
+template <bool KFp8, int NT>
 struct PageRegs {
   static constexpr int kRowChunks = KFp8 ? kFp8RowChunks : kBf16RowChunks;
-  static constexpr int kChunks = kPageSize * kRowChunks / kThreads;
-  static_assert(kPageSize * kRowChunks % kThreads == 0, "whole chunks a thread");
+  static constexpr int kChunks = kPageSize * kRowChunks / NT;
+  static_assert(kPageSize * kRowChunks % NT == 0, "whole chunks a thread");
   uint4 r[kChunks];
 };
 
-template <bool KFp8>
-__device__ __forceinline__ void fetch_page(const ScoreArgs& a, int32_t phys, PageRegs<KFp8>& regs) {
+template <bool KFp8, int NT>
+__device__ __forceinline__ void fetch_page(const ScoreArgs& a, int32_t phys, PageRegs<KFp8, NT>& regs) {
   const uint8_t* page = a.k + int64_t(phys) * a.k_s0 * (KFp8 ? 1 : 2);
   const int64_t row_bytes = a.k_s1 * (KFp8 ? 1 : 2);
 #pragma unroll
-  for (int i = 0; i < PageRegs<KFp8>::kChunks; ++i) {
-    const int c = threadIdx.x + i * kThreads;  // 16-byte chunk: row c / 8 (fp8) or c / 16 (bf16)
-    const int per_row = PageRegs<KFp8>::kRowChunks;
+  for (int i = 0; i < PageRegs<KFp8, NT>::kChunks; ++i) {
+    const int c = threadIdx.x + i * NT;  // 16-byte chunk: row c / 8 (fp8) or c / 16 (bf16)
+    const int per_row = PageRegs<KFp8, NT>::kRowChunks;
     const int t = c / per_row, col = c % per_row;
     regs.r[i] = __ldg(reinterpret_cast<const uint4*>(page + t * row_bytes + col * kChunk));
   }
 }
 
-template <bool KFp8>
-__device__ __forceinline__ void store_page(uint32_t tile, const PageRegs<KFp8>& regs) {
+template <bool KFp8, int NT>
+__device__ __forceinline__ void store_page(uint32_t tile, const PageRegs<KFp8, NT>& regs) {
 #pragma unroll
-  for (int i = 0; i < PageRegs<KFp8>::kChunks; ++i) {
-    const int c = threadIdx.x + i * kThreads;
+  for (int i = 0; i < PageRegs<KFp8, NT>::kChunks; ++i) {
+    const int c = threadIdx.x + i * NT;
     if constexpr (KFp8) {
       const int t = c / kFp8RowChunks, col = c % kFp8RowChunks;  // 16 codes -> bf16 chunks 2 col, 2 col + 1
       const uint32_t w[4] = {regs.r[i].x, regs.r[i].y, regs.r[i].z, regs.r[i].w};
@@ -143,13 +157,15 @@ __device__ __forceinline__ void store_page(uint32_t tile, const PageRegs<KFp8>& 
   }
 }
 
-template <bool QFp8, bool KFp8>
-__global__ void __launch_bounds__(kThreads) index_scores_kernel(const ScoreArgs a) {
+template <class Shape, bool QFp8, bool KFp8>
+__global__ void __launch_bounds__(Shape::kThreads) index_scores_kernel(const ScoreArgs a) {
+  constexpr int NT = Shape::kThreads, kVectors = Shape::kVectors, kHalves = Shape::kHalves, kFrags = Shape::kFrags;
+  using Storage = ScoresStorage<Shape>;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = align1024(smem_addr(smem_raw));
-  ScoresStorage& smem = *reinterpret_cast<ScoresStorage*>(smem_raw + (base - smem_addr(smem_raw)));
-  const uint32_t k_tile = base + uint32_t(offsetof(ScoresStorage, k));  // [128 tokens, 128] bf16
-  const uint32_t q_tile = base + uint32_t(offsetof(ScoresStorage, q));  // [64 vectors, 128] bf16
+  Storage& smem = *reinterpret_cast<Storage*>(smem_raw + (base - smem_addr(smem_raw)));
+  const uint32_t k_tile = base + uint32_t(offsetof(Storage, k));  // [128 tokens, 128] bf16
+  const uint32_t q_tile = base + uint32_t(offsetof(Storage, q));  // [kVectors, 128] bf16
   auto& partial = smem.partial;
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -166,33 +182,34 @@ __global__ void __launch_bounds__(kThreads) index_scores_kernel(const ScoreArgs 
     if (page_begin < page_end) {
       const int nv = int(seg_end - seg) * a.hi;
       __syncthreads();  // the previous segment is done with the Q tile
-      for (int i = threadIdx.x; i < kMaxVectors * kBf16RowChunks; i += kThreads) {
+      for (int i = threadIdx.x; i < kVectors * kBf16RowChunks; i += NT) {
         const int vec = i / kBf16RowChunks, chunk = i % kBf16RowChunks;
         uint4 val = make_uint4(0, 0, 0, 0);
         if (vec < nv) load_q_chunk<QFp8>(a, seg + vec / a.hi, vec % a.hi, chunk, val);
-        const uint32_t d = q_tile + tile_offset(kMaxVectors, vec, chunk);
+        const uint32_t d = q_tile + tile_offset(kVectors, vec, chunk);
         asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(d), "r"(val.x), "r"(val.y), "r"(val.z), "r"(val.w)
                      : "memory");
       }
       const int32_t* table = a.page_table + int64_t(req) * a.max_pages;
-      PageRegs<KFp8> regs;
-      fetch_page<KFp8>(a, table[page_begin], regs);
-      const int mt = warp & 3, half = warp >> 2;  // m-tile of 16 vectors, token half (64 tokens)
+      PageRegs<KFp8, NT> regs;
+      fetch_page<KFp8, NT>(a, table[page_begin], regs);
+      // m-tile of 16 vectors, token slice of the page
+      const int mt = warp % Shape::kMTiles, half = warp / Shape::kMTiles;
       for (int64_t j = page_begin; j < page_end; ++j) {
         __syncthreads();  // the previous page's products are done
-        store_page<KFp8>(k_tile, regs);
+        store_page<KFp8, NT>(k_tile, regs);
         __syncthreads();
-        if (j + 1 < page_end) fetch_page<KFp8>(a, table[j + 1], regs);
+        if (j + 1 < page_end) fetch_page<KFp8, NT>(a, table[j + 1], regs);
         if (mt * 16 < nv) {
-          float acc[8][4];
+          float acc[kFrags][4];
 #pragma unroll
-          for (int n = 0; n < 8; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+          for (int n = 0; n < kFrags; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 #pragma unroll
           for (int kk = 0; kk < 8; ++kk) {
             uint32_t qa[4];
-            load_a(qa, q_tile, kMaxVectors, mt * 16, kk * 16, lane);
+            load_a(qa, q_tile, kVectors, mt * 16, kk * 16, lane);
 #pragma unroll
-            for (int np = 0; np < 4; ++np) {
+            for (int np = 0; np < kFrags / 2; ++np) {
               uint32_t kb[4];
               load_b_nk(kb, k_tile, kPageSize, half * (kPageSize / kHalves) + np * 16, kk * 16, lane);
               mma_bf16(acc[2 * np], qa, kb[0], kb[1]);
@@ -202,7 +219,7 @@ __global__ void __launch_bounds__(kThreads) index_scores_kernel(const ScoreArgs 
           float best0 = -INFINITY, best1 = -INFINITY;
           bool nan0 = false, nan1 = false;
 #pragma unroll
-          for (int n = 0; n < 8; ++n) {
+          for (int n = 0; n < kFrags; ++n) {
             nan0 |= isnan(acc[n][0]) || isnan(acc[n][1]);
             nan1 |= isnan(acc[n][2]) || isnan(acc[n][3]);
             best0 = fmaxf(best0, fmaxf(acc[n][0], acc[n][1]));
@@ -223,8 +240,12 @@ __global__ void __launch_bounds__(kThreads) index_scores_kernel(const ScoreArgs 
         __syncthreads();
         if (threadIdx.x < nv) {
           const int vec = threadIdx.x;
-          const float s0 = partial[0][vec], s1 = partial[1][vec];
-          const float s = (isnan(s0) || isnan(s1)) ? NAN : fmaxf(s0, s1);
+          float s = partial[0][vec];
+#pragma unroll
+          for (int h = 1; h < kHalves; ++h) {
+            const float o = partial[h][vec];
+            s = (isnan(s) || isnan(o)) ? NAN : fmaxf(s, o);
+          }
           const int64_t row = seg + vec / a.hi;
           a.scores[((row - a.row_begin) * a.hi + vec % a.hi) * a.score_stride + j] = s;
         }
@@ -270,21 +291,29 @@ __global__ void __launch_bounds__(kThreads) select_kernel(const SelectArgs a) {
   const int slots = a.topk - int(init_end) - a.local_blocks;
   for (int64_t b = lane; b < init_end; b += 32) out[b] = int32_t(b);
   n = int(init_end);
+  // One pass over the history pages: lane l keeps the best kList of pages init_end + l + 32i
+  // in registers, sorted by (score desc, id asc); then `slots` rounds take the best head of
+  // the 32 lists (ids are distinct, so exactly one lane pops its head).
   const float* score = a.scores + ((row - a.row_begin) * a.hi + g) * a.score_stride;
-  float prev_s = INFINITY;
-  int prev_id = -1;
-  for (int k = 0; k < slots; ++k) {
-    float bs = 0.0f;
-    int bid = INT_MAX;
-    for (int64_t b = init_end + lane; b < local_begin; b += 32) {
-      const float s = score[b];
-      if (isnan(s)) continue;
-      const bool after_prev = s < prev_s || (s == prev_s && int(b) > prev_id);
-      if (after_prev && ranks_before(s, int(b), bs, bid)) {
-        bs = s;
-        bid = int(b);
+  float ls[kList];
+  int li[kList];
+#pragma unroll
+  for (int k = 0; k < kList; ++k) ls[k] = -INFINITY, li[k] = INT_MAX;
+  for (int64_t b = init_end + lane; b < local_begin; b += 32) {
+    float cs = score[b];
+    int ci = int(b);
+    if (isnan(cs) || !ranks_before(cs, ci, ls[kList - 1], li[kList - 1])) continue;
+#pragma unroll
+    for (int k = 0; k < kList; ++k)
+      if (ranks_before(cs, ci, ls[k], li[k])) {
+        const float ts = ls[k];
+        const int ti = li[k];
+        ls[k] = cs, li[k] = ci, cs = ts, ci = ti;
       }
-    }
+  }
+  for (int k = 0; k < slots; ++k) {
+    float bs = ls[0];
+    int bid = li[0];
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) {
       const float os = __shfl_xor_sync(0xffffffffu, bs, o);
@@ -297,8 +326,11 @@ __global__ void __launch_bounds__(kThreads) select_kernel(const SelectArgs a) {
     if (bid == INT_MAX) break;
     if (lane == 0) out[n] = bid;
     ++n;
-    prev_s = bs;
-    prev_id = bid;
+    if (li[0] == bid) {
+#pragma unroll
+      for (int j = 0; j + 1 < kList; ++j) ls[j] = ls[j + 1], li[j] = li[j + 1];
+      ls[kList - 1] = -INFINITY, li[kList - 1] = INT_MAX;
+    }
   }
   for (int64_t b = local_begin + lane; b < nvis; b += 32) out[n + (b - local_begin)] = int32_t(b);
   n += int(nvis - local_begin);
@@ -306,23 +338,32 @@ __global__ void __launch_bounds__(kThreads) select_kernel(const SelectArgs a) {
 }
 
 // Scores of `history` logical pages for `tiles` tiles of rows. Runs of pages per CTA: as long
-// as kMaxPagesPerCta, as short as 1, so that tiles x runs reaches the CTAs the GPU holds at
+// as the shape allows, as short as 1, so that tiles x runs reaches the CTAs the GPU holds at
 // once (SMs x CTAs per SM) when the step has that much work.
-template <bool QFp8, bool KFp8>
+template <class Shape, bool QFp8, bool KFp8>
 void launch_scores(ScoreArgs a, int64_t tiles, int64_t history, cudaStream_t stream) {
-  constexpr int smem = 1024 + int(sizeof(ScoresStorage));
-  static int per_sm = 0;  // CTAs per SM: depends on the kernel and the architecture only
-  if (per_sm == 0) {
-    MSA_CUDA_CHECK(cudaFuncSetAttribute(index_scores_kernel<QFp8, KFp8>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  constexpr int smem = 1024 + int(sizeof(ScoresStorage<Shape>));
+  auto* kernel = index_scores_kernel<Shape, QFp8, KFp8>;
+  // CTAs per SM: a fact of the kernel and the architecture, found once (thread-safe static).
+  static const int per_sm = [&] {
+    MSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
     int n = 0;
-    MSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, index_scores_kernel<QFp8, KFp8>, kThreads, smem));
-    per_sm = std::max(n, 1);
-  }
+    MSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, Shape::kThreads, smem));
+    return std::max(n, 1);
+  }();
   const int64_t resident = int64_t(sm_count()) * per_sm;
-  a.pages_per_cta = int(std::clamp<int64_t>(ceil_div(tiles * history, resident), 1, kMaxPagesPerCta));
+  a.pages_per_cta = int(std::clamp<int64_t>(ceil_div(tiles * history, resident), 1, Shape::kMaxPagesPerCta));
   const unsigned runs = unsigned(ceil_div(history, a.pages_per_cta));
-  index_scores_kernel<QFp8, KFp8><<<dim3(unsigned(tiles), runs), kThreads, smem, stream>>>(a);
+  kernel<<<dim3(unsigned(tiles), runs), Shape::kThreads, smem, stream>>>(a);
   MSA_CUDA_CHECK_LAUNCH("index_scores_kernel");
+}
+
+template <class Shape>
+void launch_scores_for(bool q_fp8, bool k_fp8, const ScoreArgs& a, int64_t tiles, int64_t history, cudaStream_t s) {
+  if (q_fp8 && k_fp8) launch_scores<Shape, true, true>(a, tiles, history, s);
+  else if (q_fp8) launch_scores<Shape, true, false>(a, tiles, history, s);
+  else if (k_fp8) launch_scores<Shape, false, true>(a, tiles, history, s);
+  else launch_scores<Shape, false, false>(a, tiles, history, s);
 }
 
 }  // namespace
@@ -339,8 +380,10 @@ void paged_indexer(const InferencePlan& plan, const PagedIndexerParams& p, const
   const int64_t chunk_rows = scratch.shape[0];
   const int64_t score_stride = scratch.shape[1] / hi;
   // Decode: a tile is one request's Q rows (its pages are its own: rows of other requests
-  // would only queue behind it), and chunks hold whole requests.
-  const int64_t tile_rows = plan.phase == InferencePhase::decode ? plan.q_len_per_req : kTileRows;
+  // would only queue behind it), and chunks hold whole requests. Prefill: as many rows as
+  // fill the large tile's vectors.
+  const bool decode = plan.phase == InferencePhase::decode;
+  const int64_t tile_rows = decode ? plan.q_len_per_req : std::min<int64_t>(PrefillScores::kVectors / hi, chunk_rows);
   detail::require(chunk_rows >= tile_rows && score_stride >= pages - 1,
                   "paged_indexer: the plan's scratch does not fit this plan (build the plan on the CUDA device)");
   // index_k_cache rows are 16-byte aligned (checked in src/core/inference.cpp).
@@ -381,10 +424,8 @@ void paged_indexer(const InferencePlan& plan, const PagedIndexerParams& p, const
     sa.row_end = se.row_end = r1;
     if (pages - 1 > plan.topo.topk - 1) {  // some row may rank history pages
       const int64_t tiles = ceil_div(r1 - r0, tile_rows);
-      if (q_fp8 && k_fp8) launch_scores<true, true>(sa, tiles, history, stream);
-      else if (q_fp8) launch_scores<true, false>(sa, tiles, history, stream);
-      else if (k_fp8) launch_scores<false, true>(sa, tiles, history, stream);
-      else launch_scores<false, false>(sa, tiles, history, stream);
+      if (decode) launch_scores_for<DecodeScores>(q_fp8, k_fp8, sa, tiles, history, stream);
+      else launch_scores_for<PrefillScores>(q_fp8, k_fp8, sa, tiles, history, stream);
     }
     const int64_t items = (r1 - r0) * hi;
     select_kernel<<<unsigned(ceil_div(items, kThreads / 32)), kThreads, 0, stream>>>(se);
