@@ -507,7 +507,9 @@ std::vector<Total> totals_of(const std::vector<PrefillRow>& rows, const std::vec
       t.add(r);
     }
     if (all.cases == 0) continue;
-    for (auto& [name, t] : strata) totals.push_back(t);
+    // A manifest without strata: the overall row alone.
+    if (!(strata.size() == 1 && strata.begin()->first == "-"))
+      for (auto& [name, t] : strata) totals.push_back(t);
     totals.push_back(all);
   }
   return totals;
