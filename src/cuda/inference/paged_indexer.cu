@@ -20,6 +20,7 @@
 #include "core/check.h"
 #include "cuda/device.cuh"
 #include "cuda/inference/quant.cuh"
+#include "cuda/wgmma.cuh"
 
 namespace msa::cuda {
 
@@ -37,10 +38,12 @@ constexpr int kFp8RowChunks = kHeadDim / kChunk;       // ... of an E4M3 row
 // (row, index head) vectors, so the larger the tile, the fewer times a page crosses from L2:
 //   decode: a tile is one request's Q <= 16 rows (<= 64 vectors): 4 m-tiles of 16 vectors x
 //     2 token halves of a page = 8 warps, runs of up to 8 pages;
-//   prefill: 256 vectors (64 rows of 4 index heads): 16 m-tiles x the whole page = 16 warps,
-//     one CTA an SM, runs of up to 32 pages (the Q tile is loaded once a run).
-template <int MTiles, int Halves, int MaxPages>
+//   prefill: 256 vectors (64 rows of 4 index heads): 4 warpgroups of 64 vectors x the whole
+//     page on wgmma = 16 warps, one CTA an SM, runs of up to 32 pages (the Q tile is loaded
+//     once a run).
+template <int MTiles, int Halves, int MaxPages, bool WarpgroupMma>
 struct ScoreShape {
+  static constexpr bool kWarpgroupMma = WarpgroupMma;  // wgmma on 64-vector warpgroup tiles (else mma.sync)
   static constexpr int kMTiles = MTiles;
   static constexpr int kHalves = Halves;                      // token slices of a page
   static constexpr int kVectors = 16 * MTiles;                // (row, index head) vectors of a tile
@@ -48,8 +51,9 @@ struct ScoreShape {
   static constexpr int kFrags = kPageSize / Halves / 8;       // n8 fragments of a warp's tokens
   static constexpr int kMaxPagesPerCta = MaxPages;
 };
-using DecodeScores = ScoreShape<4, 2, 8>;
-using PrefillScores = ScoreShape<16, 1, 32>;
+using DecodeScores = ScoreShape<4, 2, 8, false>;
+using PrefillScores = ScoreShape<16, 1, 32, true>;
+static_assert(!PrefillScores::kWarpgroupMma || PrefillScores::kHalves == 1, "a warpgroup tile spans the whole page");
 
 // A [Rows, 128] bf16 tile in the swizzled layout of tile_offset (device.cuh).
 template <int Rows>
@@ -198,22 +202,30 @@ __global__ void __launch_bounds__(Shape::kThreads) index_scores_kernel(const Sco
       for (int64_t j = page_begin; j < page_end; ++j) {
         __syncthreads();  // the previous page's products are done
         store_page<KFp8, NT>(k_tile, regs);
+        if constexpr (Shape::kWarpgroupMma) fence_proxy_async();  // the stores (and the Q tile's) are read by wgmma
         __syncthreads();
         if (j + 1 < page_end) fetch_page<KFp8, NT>(a, table[j + 1], regs);
-        if (mt * 16 < nv) {
+        // The warp's m-tile (rows of the C layout) is in use: a warpgroup's four m-tiles go together.
+        const bool active = Shape::kWarpgroupMma ? (warp / 4) * 64 < nv : mt * 16 < nv;
+        if (active) {
           float acc[kFrags][4];
+          if constexpr (Shape::kWarpgroupMma) {
+            static_assert(kFrags == 16, "a warpgroup tile is 64 vectors x 128 tokens");
+            wgmma_rows_x128(acc, q_tile, kVectors, 64 * (warp / 4), k_tile, kPageSize, 0);
+          } else {
 #pragma unroll
-          for (int n = 0; n < kFrags; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+            for (int n = 0; n < kFrags; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 #pragma unroll
-          for (int kk = 0; kk < 8; ++kk) {
-            uint32_t qa[4];
-            load_a(qa, q_tile, kVectors, mt * 16, kk * 16, lane);
+            for (int kk = 0; kk < 8; ++kk) {
+              uint32_t qa[4];
+              load_a(qa, q_tile, kVectors, mt * 16, kk * 16, lane);
 #pragma unroll
-            for (int np = 0; np < kFrags / 2; ++np) {
-              uint32_t kb[4];
-              load_b_nk(kb, k_tile, kPageSize, half * (kPageSize / kHalves) + np * 16, kk * 16, lane);
-              mma_bf16(acc[2 * np], qa, kb[0], kb[1]);
-              mma_bf16(acc[2 * np + 1], qa, kb[2], kb[3]);
+              for (int np = 0; np < kFrags / 2; ++np) {
+                uint32_t kb[4];
+                load_b_nk(kb, k_tile, kPageSize, half * (kPageSize / kHalves) + np * 16, kk * 16, lane);
+                mma_bf16(acc[2 * np], qa, kb[0], kb[1]);
+                mma_bf16(acc[2 * np + 1], qa, kb[2], kb[3]);
+              }
             }
           }
           float best0 = -INFINITY, best1 = -INFINITY;
