@@ -551,12 +551,13 @@ TEST(GpuInference, MisalignedRowsAreRefusedBeforeAnythingIsWritten) {
 #if MSA_WITH_CUDA
 #define CHECK_CUDA(call) ASSERT_EQ((call), cudaSuccess) << #call
 
-TEST(GpuInference, DecodeStepGraphReplayWithNewContents) {
-  MSA_REQUIRE_GPU();
-  MSA_SEEDED_RNG(rng);
-  PagedCase c = make_decode_case(rng, Topology::minimax_m3(), {3000, 0, 700, 140}, 8, format_options("fp8"));
+// One layer step (indexer + attention, paged_forward) captured in a CUDA graph on a
+// non-blocking stream, replayed with new q / index_q contents: each replay must give what the
+// CPU computes for those contents (the plan's per-layer device work, e.g. prefill's schedule
+// built from the new top-k, is inside the graph).
+void expect_graph_replays_match_cpu(std::mt19937_64& rng, PagedCase& c, int splits) {
   DeviceCase d(c);
-  const InferencePlan plan = gpu_plan(c, 2);
+  const InferencePlan plan = gpu_plan(c, splits);
   GpuOutputs o(c, DType::bf16);
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -585,11 +586,25 @@ TEST(GpuInference, DecodeStepGraphReplayWithNewContents) {
     const PagedOutputs got = o.host();
     const HostTensor topk = cpu_indexer(c);
     expect_selection_matches_cpu(c, got.topk, topk);
-    expect_attention_matches_cpu(got, cpu_attention(c, got.topk, 2, DType::bf16));
+    expect_attention_matches_cpu(got, cpu_attention(c, got.topk, splits == 0 ? 1 : splits, DType::bf16));
   }
   CHECK_CUDA(cudaGraphExecDestroy(exec));
   CHECK_CUDA(cudaGraphDestroy(graph));
   CHECK_CUDA(cudaStreamDestroy(stream));
+}
+
+TEST(GpuInference, DecodeStepGraphReplayWithNewContents) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  PagedCase c = make_decode_case(rng, Topology::minimax_m3(), {3000, 0, 700, 140}, 8, format_options("fp8"));
+  expect_graph_replays_match_cpu(rng, c, 2);
+}
+
+TEST(GpuInference, PrefillStepGraphReplayWithNewContents) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  PagedCase c = make_prefill_case(rng, Topology::minimax_m3(), {2600, 0, 300}, {400, 90, 3}, format_options("fp8_token"));
+  expect_graph_replays_match_cpu(rng, c, 0);
 }
 
 TEST(GpuInference, AutomaticSplitCountFollowsTheDevice) {
