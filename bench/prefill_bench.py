@@ -668,8 +668,13 @@ def parse_args(argv=None):
                              "check for machines without a GPU (not a benchmark)")
     parser.add_argument("--json", metavar="FILE", help="also write the results as JSON")
     parser.add_argument("--chart", metavar="PNG", help="draw the weighted speed-up per stratum (matplotlib)")
+    parser.add_argument("--replot", metavar="JSON",
+                        help="draw --chart from the totals of an earlier manifest run's --json (no GPU needed)")
     args = parser.parse_args(argv)
-    if (args.manifest is None) == (args.long is None):
+    if args.replot is not None:
+        if args.manifest is not None or args.long is not None or args.chart is None:
+            parser.error("--replot JSON draws --chart PNG from an earlier run: give both, and no manifest or --long")
+    elif (args.manifest is None) == (args.long is None):
         parser.error("give a manifest or --long N:C[:K], one of them")
     if args.long is not None and args.cases is not None:
         parser.error("--cases selects manifest rows; --long has none")
@@ -689,8 +694,26 @@ def parse_args(argv=None):
     return args
 
 
+def replot(args):
+    """--replot: the chart of an earlier manifest run's JSON report."""
+    try:
+        with open(args.replot, encoding="utf-8") as f:
+            report = json.load(f)
+        total_rows = report["totals"]
+        if "long_prompt" in report:
+            raise ValueError("it is a --long report (its chart needs the run itself)")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"prefill_bench.py: --replot {args.replot}: not a manifest report of this script ({e})") \
+            from None
+    draw_chart(total_rows, args.chart, f"msa prefill step vs dense SDPA on {report.get('device_name', '?')}")
+    print(f"wrote {args.chart}")
+    return 0
+
+
 def main(argv=None):
     args = parse_args(argv)
+    if args.replot is not None:
+        return replot(args)
     try:
         if args.long is not None:
             long_info = parse_long(args.long)

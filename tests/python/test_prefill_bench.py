@@ -308,3 +308,28 @@ def test_the_whole_path_on_the_cpu(tmp_path, capsys):
     assert pb.main(["--long", "768:256:2", "--device", "cpu", "--formats", "bf16", "--reps", "1", "--warmup", "0"]) == 0
     out = capsys.readouterr().out
     assert "long prompt: 768 tokens in chunks of 256 (3 chunks); 2 of 3 chunks timed" in out
+
+
+def test_replot_draws_the_chart_of_a_saved_report(tmp_path):
+    pytest.importorskip("matplotlib", reason="matplotlib is not installed")
+    report = {"device_name": "test GPU",
+              "totals": [{"stratum": "b1/t1_3/k_le_32k", "cache": "bf16", "speedup": 2.0},
+                         {"stratum": "all", "cache": "bf16", "speedup": 3.5}]}
+    saved = tmp_path / "report.json"
+    saved.write_text(json.dumps(report))
+    png = tmp_path / "replot.png"
+    assert pb.main(["--replot", str(saved), "--chart", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_replot_refuses_what_it_cannot_draw(tmp_path, capsys):
+    for argv in (["--replot", "r.json"], ["--replot", "r.json", "--chart", str(tmp_path / "c.png"), "m.jsonl"]):
+        with pytest.raises(SystemExit):
+            pb.parse_args(argv)
+        assert "--replot JSON draws --chart PNG" in capsys.readouterr().err
+    long_report = tmp_path / "long.json"
+    long_report.write_text(json.dumps({"totals": [], "long_prompt": {"tokens": 1}}))
+    with pytest.raises(SystemExit, match="--long report"):
+        pb.main(["--replot", str(long_report), "--chart", str(tmp_path / "c.png")])
+    with pytest.raises(SystemExit, match="not a manifest report"):
+        pb.main(["--replot", str(tmp_path / "missing.json"), "--chart", str(tmp_path / "c.png")])
