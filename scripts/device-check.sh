@@ -4,8 +4,9 @@
 #   2. runs the GPU tests (GoogleTest filter Gpu*);
 #   3. runs compute-sanitizer memcheck on small GPU cases;
 #   4. runs the training benchmark (msa bench --backend cuda) at 4k..128k tokens, the decode
-#      benchmark (msa bench --decode), msa demo and the independent run-case check with
-#      --backend cuda;
+#      benchmark (msa bench --decode), the prefill benchmark over the production manifest
+#      (msa bench --prefill bench/data/prefill_benchmark_cases.jsonl, bf16 and FP8 caches),
+#      msa demo and the independent run-case check with --backend cuda;
 #   5. with MSA_PYTHON=1: builds the Python package with its CUDA backend, runs the Python
 #      tests (GPU ones included) and bench/peers.py at MSA_PEERS_TOKENS (default 4096,16384).
 # Logs go to OUTDIR; a short summary table is printed last.
@@ -20,6 +21,7 @@
 #   MSA_BENCH_REPS     timed repetitions per op (default 10)
 #   MSA_SANITIZE       0 skips the memcheck step
 #   MSA_DECODE_BENCH   0 skips msa bench --decode and msa demo
+#   MSA_PREFILL_BENCH  0 skips msa bench --prefill
 #   MSA_INDEPENDENT    0 skips the independent run-case check (tests/independent) on cuda
 #   MSA_PYTEST_PATHS   what pytest runs with MSA_PYTHON=1 (default: all of tests/python)
 #   MSA_TRANSFORMERS   0 skips the transformers check with MSA_PYTHON=1 (bench/transformers_bench.py --check)
@@ -92,7 +94,7 @@ grep -E "^\[  FAILED  \]|Failure|error:" "$OUT/gpu_tests.log" | head -20 | tee -
 # Memory checker on small cases.
 if [ "${MSA_SANITIZE:-1}" != "0" ] && command -v compute-sanitizer > /dev/null; then
   timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 "$TESTS" \
-    --gtest_filter='GpuForward.TopologiesOutputTypesAndItemSizes:GpuBackward.TopologiesAndFloat32:GpuKl.TopologiesGradScaleAndBf16:GpuIndexer.TiesPreferLowerBlockIds:GpuPlan.InvalidSelectionIsFlaggedAndPoisonsOutputs:GpuMergeStates.*:GpuInference.StridedCombinedKvCache:GpuInference.Nvfp4ToFp8Bitwise:GpuLayout.PackUnpackMatchCpuBitwise' \
+    --gtest_filter='GpuForward.TopologiesOutputTypesAndItemSizes:GpuBackward.TopologiesAndFloat32:GpuKl.TopologiesGradScaleAndBf16:GpuIndexer.TiesPreferLowerBlockIds:GpuPlan.InvalidSelectionIsFlaggedAndPoisonsOutputs:GpuMergeStates.*:GpuInference.StridedCombinedKvCache:GpuInference.PrefillStepGraphReplayWithNewContents:GpuInference.Nvfp4ToFp8Bitwise:GpuLayout.PackUnpackMatchCpuBitwise' \
     > "$OUT/memcheck.log" 2>&1
   note "compute-sanitizer memcheck: rc $? ($(grep -m1 "ERROR SUMMARY" "$OUT/memcheck.log"))"
 fi
@@ -107,6 +109,11 @@ if [ "${MSA_DECODE_BENCH:-1}" != "0" ]; then
   note "decode benchmark: rc $?"
   timeout 120 "$TOOL" demo > "$OUT/demo.log" 2>&1
   note "msa demo: rc $?"
+fi
+if [ "${MSA_PREFILL_BENCH:-1}" != "0" ]; then
+  timeout 300 "$TOOL" bench --prefill "$ROOT/bench/data/prefill_benchmark_cases.jsonl" --formats bf16,fp8 --reps 3 \
+    --json "$OUT/prefill.json" > "$OUT/prefill.log" 2>&1
+  note "prefill benchmark (production manifest): rc $?"
 fi
 # Cases written by independent programs (tests/independent: NumPy float64 oracle from the
 # spec) through `msa run-case --backend cuda`, each also run with --backend cpu and the two
@@ -145,6 +152,7 @@ cat "$SUMMARY"
 echo
 [ -f "$OUT/bench.log" ] && sed -n '/^ *tokens/,$p' "$OUT/bench.log"
 [ -f "$OUT/decode.log" ] && { echo; grep -v "^\[msa" "$OUT/decode.log" | tail -25; }
+[ -f "$OUT/prefill.log" ] && { echo; sed -n '/^Production-weighted/,$p' "$OUT/prefill.log" | grep -E "^(stratum|all|Production)" ; }
 # The peer table goes to stdout too: only a few files of OUTDIR may come back from a remote run.
 [ -f "$OUT/peers.log" ] && { echo; tail -30 "$OUT/peers.log"; }
 # With MSA_PACK_LOGS=1 every log goes into one logs.tar.gz beside summary.txt and bench.csv

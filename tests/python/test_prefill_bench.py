@@ -268,15 +268,18 @@ def test_without_cuda_the_script_exits_2(tmp_path, capsys):
     assert "PyTorch is not installed" in err or "no CUDA device" in err
 
 
-@pytest.mark.skipif(not (SHARED_DATA / "prefill_benchmark_cases.jsonl").exists(),
-                    reason="shared/data is not beside the repository")
-def test_the_shared_manifests():
-    # The benchmark-case set: 66 representative rows whose weights add up to every recorded call.
-    cases, any_tags = pb.read_manifest(str(SHARED_DATA / "prefill_benchmark_cases.jsonl"))
+def test_the_bundled_manifest():
+    # bench/data's copy of the benchmark-case set: 66 representative rows whose weights add up
+    # to every recorded call, one stratum each.
+    cases, any_tags = pb.read_manifest(str(ROOT / "bench" / "data" / "prefill_benchmark_cases.jsonl"))
     chosen, _ = pb.select_cases(cases, any_tags)
     assert len(cases) == 128 and len(chosen) == 66
     assert sum(c.weight for c in chosen) == 14805 and sum(c.weight for c in cases) == 14805
     assert len({c.stratum for c in chosen}) == 66
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "prefill_shapes.jsonl").exists(), reason="shared/data is not beside the repository")
+def test_the_shape_manifest():
     # The shape manifest has no tags: every row, weighted by its call count.
     shapes, any_tags = pb.read_manifest(str(SHARED_DATA / "prefill_shapes.jsonl"))
     rows = [json.loads(line) for line in (SHARED_DATA / "prefill_shapes.jsonl").read_text().splitlines() if line]
