@@ -22,7 +22,7 @@ stratum and over all cases weighted by production weight (speed-up = Σ w·dense
 number of cases where msa is slower than dense; --json FILE writes it all, --chart PNG draws
 the weighted speed-up per stratum (matplotlib, log scale).
 
-  python bench/prefill_bench.py ../shared/data/prefill_benchmark_cases.jsonl [--cases representative|all|TAG]
+  python bench/prefill_bench.py bench/data/prefill_benchmark_cases.jsonl [--cases representative|all|TAG]
                                 [--formats bf16,fp8] [--reps 10] [--warmup 3] [--json FILE] [--chart PNG]
   python bench/prefill_bench.py --long 1m:16k:5 [...]
 

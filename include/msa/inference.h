@@ -8,7 +8,8 @@
 //      sparse layer; holds the device copies of the metadata and all scratch memory.
 //   2. per layer: rms_norm_rope on q and index_q, insert_kv (norm + RoPE of k / index_k on the
 //      way into the caches), then paged_forward (indexer + attention) or the two halves
-//      paged_indexer / paged_attention. Runs never allocate.
+//      paged_indexer / paged_attention. Decode runs never allocate; a CUDA prefill attention
+//      run takes its schedule's sort scratch from the stream-ordered device allocator.
 //
 // Conventions shared by every operation here:
 //   * Query row r of request b has causal position pos = seq_lens[b] - q_len_b + i

@@ -1,15 +1,15 @@
-// Sparse attention over the paged K/V caches on the GPU (paged prefill and split-K decode).
+// Decode attention over the paged K/V caches on the GPU (split-K). Paged prefill runs on the
+// training forward instead (paged_prefill.cu); paged_attention hands prefill plans to it.
 //
-// CTA = (tile of R consecutive query rows, KV head g, split s). Decode: R = Q (the rows of one
-// request); prefill: R = 16 consecutive rows (possibly of several requests). The CTA gathers
-// the union of the logical pages its rows selected in split s (slots s * 16 / S ..), keyed by
+// CTA = (the Q <= 16 query rows of one request, KV head g, split s). The CTA gathers the union
+// of the logical pages its rows selected in split s (slots s * 16 / S ..), keyed by
 // (request, page), and streams each distinct page of K and V once: cp.async into a double-
 // buffered shared-memory stage (16-byte copies; the next page is in flight while the current
 // one is used), FP8 / NVFP4 codes widened to exact bf16 values in shared memory. Rows of the
 // tile that did not select a page skip it; tokens past a row's position are masked.
 //
-// Warps: NW = 8 (R <= 8) or 16. Warp w serves row w / kw and the token slice (w % kw) * 128 / kw
-// of every page, kw = the largest power of two with R * kw <= NW; its 16 query heads are one
+// Warps: NW = 8 (Q <= 8) or 16. Warp w serves row w / kw and the token slice (w % kw) * 128 / kw
+// of every page, kw = the largest power of two with Q * kw <= NW; its 16 query heads are one
 // m16 tile: S = Q K^T and O += P V run on tensor cores (mma.sync m16n8k16, fp32 accumulation)
 // with an fp32 online softmax over chunks of 16 tokens. Scales: per-tensor K scales (FP8, NVFP4
 // global) and the softmax scale multiply the logits, per-token K scales each logit column,
@@ -37,7 +37,7 @@ using model::kHeadDim;
 using model::kPageSize;
 using model::kTopk;
 
-constexpr int kMaxTileRows = 16;                    // query rows of a CTA (decode Q <= 16, prefill 16)
+constexpr int kMaxTileRows = 16;                    // query rows of a CTA (decode Q <= 16)
 constexpr int kMaxEntries = kMaxTileRows * kTopk;   // (row, slot) selections of a CTA in one split
 constexpr int kChunk = 16;                          // bytes of one cp.async / ld.shared.v4
 constexpr int kHeadFrags = kHeadDim / 8;            // n8 output fragments across the head dim
@@ -618,8 +618,7 @@ void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, c
   if (T == 0) return;
   const Topology& topo = plan.topo;
   const PagedKvCache& c = p.kv;
-  const bool decode = plan.phase == InferencePhase::decode;
-  const int splits = decode ? plan.num_kv_splits : 1;
+  const int splits = plan.num_kv_splits;
   const int64_t elem = c.format == KvFormat::bf16 ? 2 : 1;
 
   // Row alignment (16 bytes, block scales 8) was checked in src/core/inference.cpp.
@@ -659,7 +658,7 @@ void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, c
   a.max_pages = plan.max_pages;
   a.total_q = T;
   a.hq = topo.num_q_heads;
-  a.rows_per_tile = decode ? plan.q_len_per_req : kMaxTileRows;
+  a.rows_per_tile = plan.q_len_per_req;
   const int nw = warps_for_rows(a.rows_per_tile);
   a.kw = 1;
   while (a.rows_per_tile * a.kw * 2 <= nw) a.kw *= 2;
