@@ -369,6 +369,13 @@ void build_items(const int32_t* row_ptr, int Hkv, int32_t total_rows, int per_it
 
 }  // namespace
 
+void check_schedule_size(int Hkv, int64_t total_q, int64_t rows, const char* who) {
+  const int64_t edges = int64_t(Hkv) * total_q * kTopk;
+  if (edges >= (int64_t(1) << 31) || total_q >= (int64_t(1) << 27) || Hkv * (rows + 1) >= (int64_t(1) << 31))
+    throw Error(ErrorKind::unsupported,
+                std::string(who) + ": Hkv * total_q * topk (16) must be below 2^31, got " + std::to_string(edges));
+}
+
 void upload_layout(const Topology& topo, const PackedLayout& L, SparsePlan& plan, PlanState& state, bool with_chunks,
                    cudaStream_t s) {
   const int Hkv = topo.num_kv_heads, B = L.num_documents();
@@ -458,12 +465,7 @@ void build_plan(const Topology& topo, const PackedLayout& L, const TensorView& t
   const Device dev = topk.device;
   DeviceGuard guard(dev.index);
   const cudaStream_t s = as_stream(opt);
-  const int64_t total_q = L.total_q(), rows = plan.total_rows;
-  const int64_t edges = int64_t(topo.num_kv_heads) * total_q * kTopk;
-  if (edges >= (int64_t(1) << 31) || total_q >= (int64_t(1) << 27) ||
-      topo.num_kv_heads * (rows + 1) >= (int64_t(1) << 31))
-    throw Error(ErrorKind::unsupported, "build_plan (CUDA): Hkv * total_q * topk (16) must be below 2^31, got " +
-                                            std::to_string(edges));
+  check_schedule_size(topo.num_kv_heads, L.total_q(), plan.total_rows, "build_plan (CUDA)");
   // Nothing below allocates outside the device allocator, copies from pageable memory or
   // waits for the device, so a plan can be built during CUDA-graph capture.
   auto state = std::make_shared<PlanState>();

@@ -12,6 +12,10 @@
 
 namespace msa::cuda {
 
+// Refuses (ErrorKind::unsupported, naming `who`) a schedule whose int32 edge and row indices
+// would overflow: Hkv * total_q * 16 and Hkv * (rows + 1) below 2^31, total_q below 2^27.
+void check_schedule_size(int Hkv, int64_t total_q, int64_t rows, const char* who);
+
 // The layout's tables (PlanState: documents, row numbering) and plan.rows on the device.
 // plan's buffers (include/msa/ops.h) must already be allocated; with_chunks also sizes the
 // backward / KL work items.

@@ -1,17 +1,18 @@
 // Paged indexer on the GPU, in two kernels per chunk of query rows:
 //   1. index_scores_kernel: CTA = (tile of query rows, run of logical pages). The rows'
-//      index-q vectors (rows x Hi, at most 64) sit in shared memory as a bf16 tile; every
-//      history page of the run is streamed once per CTA (16-byte loads, the next page in
-//      flight while the current one is multiplied) and S = q . k^T runs on tensor cores
-//      (mma.sync m16n8k16, fp32 accumulation). The page score max_t S (NaN if any token's score
-//      is NaN) goes to the plan's scratch [rows, Hi, pages]. Decode tiles are the Q rows of one
-//      request; prefill tiles are 16 consecutive rows, which may belong to several requests
-//      (handled one after another). Runs are at most kMaxPagesPerCta pages, shorter when the
-//      step is small, so that the grid fills the GPU: a CTA's pages are a chain of dependent
-//      loads, and a small grid of long chains costs their latency however little it reads.
+//      index-q vectors sit in shared memory as a bf16 tile; every history page of the run is
+//      streamed once per CTA (16-byte loads, the next page in flight while the current one is
+//      multiplied) and S = q . k^T runs on tensor cores (fp32 accumulation). The page score
+//      max_t S (NaN if any token's score is NaN) goes to the plan's scratch [rows, Hi, pages].
+//      Two tile shapes (ScoreShape below): decode tiles are the Q rows of one request
+//      (mma.sync), prefill tiles 256 (row, index head) vectors on wgmma, which may span several
+//      requests (handled one after another). Runs are shorter when the step is small, so that
+//      the grid fills the GPU: a CTA's pages are a chain of dependent loads, and a small grid
+//      of long chains costs their latency however little it reads.
 //   2. select_kernel: one warp per (row, index head) applies the selection rule of the CPU's
-//      select_row: init pages, the best history pages by (score desc, page id asc) with NaN
-//      never chosen, then the local pages; -1 padding; padding rows all -1.
+//      select_row in one pass over the page scores: init pages, the best history pages by
+//      (score desc, page id asc) with NaN never chosen, then the local pages; -1 padding;
+//      padding rows all -1.
 // FP8 index-q / index-K codes are widened to bf16 exactly (E4M3 values are bf16 values).
 #include <algorithm>
 #include <climits>

@@ -89,9 +89,7 @@ std::shared_ptr<void> prepare_paged_prefill(const InferencePlan& plan, const std
   e->layout = PackedLayout::from_cu_seqlens(cu_seqlens_q, cu_k);
   const int Hkv = topo.num_kv_heads;
   const int64_t total_q = plan.total_q, rows = e->layout.total_rows(kPageSize), edges = total_q * kTopk;
-  if (int64_t(Hkv) * edges >= (int64_t(1) << 31) || Hkv * (rows + 1) >= (int64_t(1) << 31))
-    throw Error(ErrorKind::unsupported, "paged prefill (CUDA): Hkv * total_q * 16 must be below 2^31, got " +
-                                            std::to_string(int64_t(Hkv) * edges));
+  check_schedule_size(Hkv, total_q, rows, "paged prefill (CUDA)");
   SparsePlan& p = e->plan;
   p.device = plan.device;
   p.total_q = total_q;
