@@ -6,6 +6,14 @@
 
 namespace msa {
 
+namespace detail {
+// A plan's public buffers (include/msa/ops.h) sized for total_q queries and `rows` CSR rows,
+// allocated in one piece on `device` (CUDA: for work on `stream`); the selection copy only
+// with with_selection. The size fields are set; the contents are the backend's to fill.
+SparsePlan allocate_plan(const Topology& topo, int64_t total_q, int64_t rows, int q_per_cta, Device device,
+                         void* stream, bool with_selection);
+}  // namespace detail
+
 namespace cpu {
 void select_blocks(const Topology&, const PackedLayout&, const SelectBlocksParams&, const RunOptions&);
 // Fills every plan buffer (already allocated on the CPU with the sizes in `plan`).

@@ -145,6 +145,35 @@ int64_t plan_workspace_bytes(const Topology& topo, const PackedLayout& L, Device
       "plan_workspace_bytes", device, [] { return int64_t(0); }, [&] { return cuda::plan_workspace_bytes(topo, L); });
 }
 
+namespace detail {
+
+SparsePlan allocate_plan(const Topology& topo, int64_t total_q, int64_t rows, int q_per_cta, Device device,
+                         void* stream, bool with_selection) {
+  const int Hkv = topo.num_kv_heads;
+  const int64_t edges = total_q * topo.topk;
+  SparsePlan plan;
+  plan.device = device;
+  plan.total_q = total_q;
+  plan.total_rows = rows;
+  plan.num_kv_heads = Hkv;
+  plan.topk = topo.topk;
+  plan.q_per_cta = q_per_cta;
+  const int64_t capacity = Hkv * (rows + (edges + q_per_cta - 1) / q_per_cta);
+  BufferPack buffers;
+  buffers.add(&plan.rows, DType::i32, {rows, 2});
+  buffers.add(&plan.row_ptr, DType::i32, {Hkv, rows + 1});
+  buffers.add(&plan.q_indices, DType::i32, {Hkv, edges});
+  buffers.add(&plan.split_slot, DType::i32, {Hkv, edges});
+  buffers.add(&plan.split_counts, DType::i32, {total_q, Hkv});
+  buffers.add(&plan.schedule, DType::i32, {capacity, 6});
+  buffers.add(&plan.work_count_dev, DType::i32, {1});
+  if (with_selection) buffers.add(&plan.selection, DType::i32, {topo.num_index_heads, total_q, topo.topk});
+  buffers.allocate(device, stream);
+  return plan;
+}
+
+}  // namespace detail
+
 SparsePlan build_plan(const Topology& topo, const PackedLayout& L, const TensorView& topk, const PlanOptions& options,
                       const RunOptions& opt) {
   detail::check_run_options(opt);
@@ -153,26 +182,9 @@ SparsePlan build_plan(const Topology& topo, const PackedLayout& L, const TensorV
   require(options.q_per_cta >= 1, concat("plan q_per_cta must be >= 1, got ", options.q_per_cta));
   check_topk(topo, L, topk, "topk", topk.device);
   if (options.workspace.present()) check_plan_workspace(topo, L, options.workspace, topk.device);
-  const int Hkv = topo.num_kv_heads;
-  const int64_t rows = L.total_rows(topo.block_size), edges = L.total_q() * topo.topk;
-  SparsePlan plan;
-  plan.device = topk.device;
-  plan.total_q = L.total_q();
-  plan.total_rows = rows;
-  plan.num_kv_heads = Hkv;
-  plan.topk = topo.topk;
-  plan.q_per_cta = options.q_per_cta;
-  const int64_t capacity = Hkv * (rows + (edges + options.q_per_cta - 1) / options.q_per_cta);
-  detail::BufferPack buffers;
-  buffers.add(&plan.rows, DType::i32, {rows, 2});
-  buffers.add(&plan.row_ptr, DType::i32, {Hkv, rows + 1});
-  buffers.add(&plan.q_indices, DType::i32, {Hkv, edges});
-  buffers.add(&plan.split_slot, DType::i32, {Hkv, edges});
-  buffers.add(&plan.split_counts, DType::i32, {L.total_q(), Hkv});
-  buffers.add(&plan.schedule, DType::i32, {capacity, 6});
-  buffers.add(&plan.work_count_dev, DType::i32, {1});
-  buffers.add(&plan.selection, DType::i32, {topo.num_index_heads, L.total_q(), topo.topk});
-  buffers.allocate(plan.device, on_cuda(topk) ? opt.stream : nullptr);  // CUDA buffers are used on opt.stream
+  // CUDA buffers are used on opt.stream.
+  SparsePlan plan = detail::allocate_plan(topo, L.total_q(), L.total_rows(topo.block_size), options.q_per_cta,
+                                          topk.device, on_cuda(topk) ? opt.stream : nullptr, true);
   // The plan keeps its own copy of the selection, so that a later call cannot pair it with
   // another one (see bound_selection); on CUDA one device copy on opt.stream.
   copy(topk, plan.selection.view(), on_cuda(topk) ? opt.stream : nullptr);

@@ -15,7 +15,6 @@
 
 #include "backend.h"
 #include "backend_inference.h"
-#include "core/buffer_pack.h"
 #include "cuda/attention_forward.h"
 #include "cuda/common.cuh"
 #include "cuda/inference/quant.cuh"
@@ -88,26 +87,10 @@ std::shared_ptr<void> prepare_paged_prefill(const InferencePlan& plan, const std
   auto e = std::make_shared<PrefillEngine>();
   e->layout = PackedLayout::from_cu_seqlens(cu_seqlens_q, cu_k);
   const int Hkv = topo.num_kv_heads;
-  const int64_t total_q = plan.total_q, rows = e->layout.total_rows(kPageSize), edges = total_q * kTopk;
+  const int64_t total_q = plan.total_q, rows = e->layout.total_rows(kPageSize);
   check_schedule_size(Hkv, total_q, rows, "paged prefill (CUDA)");
-  SparsePlan& p = e->plan;
-  p.device = plan.device;
-  p.total_q = total_q;
-  p.total_rows = rows;
-  p.num_kv_heads = Hkv;
-  p.topk = kTopk;
-  p.q_per_cta = kQueriesPerItem;
-  const int64_t capacity = Hkv * (rows + (edges + kQueriesPerItem - 1) / kQueriesPerItem);
-  detail::BufferPack buffers;
-  buffers.add(&p.rows, DType::i32, {rows, 2});
-  buffers.add(&p.row_ptr, DType::i32, {Hkv, rows + 1});
-  buffers.add(&p.q_indices, DType::i32, {Hkv, edges});
-  buffers.add(&p.split_slot, DType::i32, {Hkv, edges});
-  buffers.add(&p.split_counts, DType::i32, {total_q, Hkv});
-  buffers.add(&p.schedule, DType::i32, {capacity, 6});
-  buffers.add(&p.work_count_dev, DType::i32, {1});
-  buffers.allocate(plan.device, nullptr);
-  upload_layout(topo, e->layout, p, e->state, false, nullptr);
+  e->plan = detail::allocate_plan(topo, total_q, rows, kQueriesPerItem, plan.device, nullptr, false);
+  upload_layout(topo, e->layout, e->plan, e->state, false, nullptr);
   e->partials = forward_workspace_layout(total_q, Hkv);
   e->scratch = Buffer(plan.device, DType::u8, {e->partials.total});
   // Runs may use any stream (also non-blocking ones): the tables must be complete before.
