@@ -1,24 +1,12 @@
 """bench/plot_decode.py without a GPU: reading `msa bench --decode --json` reports and drawing."""
 
-import importlib.util
 import json
-import pathlib
-import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+import bench_scripts
 
-
-def _load_script():
-    spec = importlib.util.spec_from_file_location("plot_decode", ROOT / "bench" / "plot_decode.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-pd = _load_script()
+pd = bench_scripts.load("plot_decode")
 
 
 def part(percent):

@@ -2,26 +2,18 @@
 long-prompt chunks, weighted totals per stratum, the tables, the chart and the arguments. The
 timed part needs PyTorch with CUDA; here it must refuse with exit code 2."""
 
-import importlib.util
 import json
 import pathlib
-import sys
 
 import pytest
+
+import bench_scripts
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("prefill_bench", ROOT / "bench" / "prefill_bench.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-pb = _load_script()
+pb = bench_scripts.load("prefill_bench")
 
 ROWS = [
     {"case_id": "prefill_aaaa1111bbbb2222cccc", "tags": ["representative"], "representative_weight": 30,
