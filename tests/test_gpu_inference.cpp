@@ -479,6 +479,24 @@ TEST(GpuInference, PrefillAttentionMatchesCpu) {
   }
 }
 
+// An invalid device top-k (a repeated page id) reaching prefill attention: its schedule build
+// flags it and every output is NaN, as for the training path's invalid selections.
+TEST(GpuInference, PrefillInvalidTopkPoisonsEveryOutput) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  const PagedCase c = make_prefill_case(rng, Topology::minimax_m3(2), {2500, 300}, {40, 20}, format_options("bf16"));
+  HostTensor topk = cpu_indexer(c);
+  int32_t* row = topk.data<int32_t>() + (int64_t(1) * c.total_q() + 7) * 16;  // head 1, row 7
+  ASSERT_GE(row[1], 0);
+  row[1] = row[0];
+  DeviceCase d(c);
+  const PagedOutputs got = gpu_attention(c, d, gpu_plan(c), topk, DType::f32);
+  for (int64_t i = 0; i < got.out.numel(); ++i)
+    ASSERT_TRUE(std::isnan(got.out.data<float>()[i])) << "out element " << i;
+  for (int64_t i = 0; i < got.lse.numel(); ++i)
+    ASSERT_TRUE(std::isnan(got.lse.data<float>()[i])) << "lse element " << i;
+}
+
 // A chunk long enough that many queries share each selected page (the attention's work items
 // then hold 8 queries) over a prefix of more than 16 pages, on the full MiniMax-M3 topology.
 TEST(GpuInference, LongPrefillChunkMatchesCpu) {
