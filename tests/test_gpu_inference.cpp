@@ -618,6 +618,51 @@ TEST(GpuInference, DecodeStepGraphReplayWithNewContents) {
   expect_graph_replays_match_cpu(rng, c, 2);
 }
 
+// An engine's decode loop: a step captured once, then replayed after update_decode_plan has
+// written the next step's seq_lens and page table into the plan (on the replay's stream).
+TEST(GpuInference, DecodeGraphReplaysTheNextStepAfterUpdate) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  const PagedCase c = make_decode_case(rng, Topology::minimax_m3(), {3000, 0, 700, 140}, 8, format_options("fp8"));
+  DeviceCase d(c);
+  InferencePlan plan = gpu_plan(c, 2);
+  GpuOutputs o(c, DType::bf16);
+  cudaStream_t stream;
+  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  RunOptions opt;
+  opt.stream = stream;
+  gpu_paged_forward(plan, d, o, opt);  // warm-up outside the capture
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  cudaGraph_t graph;
+  CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  gpu_paged_forward(plan, d, o, opt);
+  CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
+  cudaGraphExec_t exec;
+  CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  // The next step: shorter contexts, request 1 (a padding row before) reading request 0's pages.
+  PagedCase next = c;
+  next.seq_lens = {2999, 130, 0, 139};
+  for (int64_t j = 0; j < c.max_pages; ++j) next.page_table[size_t(c.max_pages + j)] = c.page_table[size_t(j)];
+  const HostTensor sl = int_tensor(next.seq_lens, {4}), pt = int_tensor(next.page_table, {4, next.max_pages});
+  DecodeMetadata m;
+  m.seq_lens = sl.view();
+  m.page_table = pt.view();
+  m.q_len_per_req = next.q_len_per_req;
+  update_decode_plan(plan, m, opt);
+  o.out.poison();
+  o.lse.poison();
+  o.topk.poison();
+  synchronize(kGpu);
+  CHECK_CUDA(cudaGraphLaunch(exec, stream));
+  CHECK_CUDA(cudaStreamSynchronize(stream));
+  const PagedOutputs got = o.host();
+  expect_selection_matches_cpu(next, got.topk, cpu_indexer(next));
+  expect_attention_matches_cpu(got, cpu_attention(next, got.topk, 2, DType::bf16));
+  CHECK_CUDA(cudaGraphExecDestroy(exec));
+  CHECK_CUDA(cudaGraphDestroy(graph));
+  CHECK_CUDA(cudaStreamDestroy(stream));
+}
+
 TEST(GpuInference, PrefillStepGraphReplayWithNewContents) {
   MSA_REQUIRE_GPU();
   MSA_SEEDED_RNG(rng);

@@ -96,6 +96,79 @@ TEST(InferenceDecode, MatchesPagedPrefillOfTheSameRows) {
   expect_close("lse", od.lse.floats(), std::vector<double>(lse.begin(), lse.end()), 1e-6, 1e-6);
 }
 
+// The next step of a decode plan: other seq_lens, request 1 reading request 0's pages.
+PagedCase next_step(const PagedCase& c) {
+  PagedCase next = c;
+  next.seq_lens = {2999, 130, 0, 139};
+  for (int64_t j = 0; j < c.max_pages; ++j) next.page_table[size_t(c.max_pages + j)] = c.page_table[size_t(j)];
+  return next;
+}
+
+DecodeMetadata metadata(const PagedCase& c, const HostTensor& seq_lens, const HostTensor& page_table) {
+  DecodeMetadata m;
+  m.seq_lens = seq_lens.view();
+  m.page_table = page_table.view();
+  m.q_len_per_req = c.q_len_per_req;
+  return m;
+}
+
+// update_decode_plan: a plan rewritten for the next step runs it exactly as a fresh plan of
+// that step does (bitwise on the CPU), and the oracle agrees.
+TEST(InferenceDecode, UpdatedPlanRunsTheNextStep) {
+  MSA_SEEDED_RNG(rng);
+  const PagedCase c = make_decode_case(rng, kSmall, {3000, 0, 700, 140}, 4);
+  const PagedCase next = next_step(c);
+  const HostTensor sl = int_tensor(next.seq_lens, {4}), pt = int_tensor(next.page_table, {4, next.max_pages});
+  for (int splits : {1, 4}) {
+    SCOPED_TRACE("num_kv_splits " + std::to_string(splits));
+    InferencePlan plan = c.plan(splits);
+    update_decode_plan(plan, metadata(next, sl, pt));
+    PagedOutputs o = make_outputs(next);
+    PagedAttentionParams a = attention_params(next, o);
+    a.topk = {};
+    paged_forward(plan, indexer_params(next, o), a);
+    const PagedOutputs fresh = run_paged(next, splits);
+    EXPECT_EQ(o.topk.raw(), fresh.topk.raw());
+    EXPECT_EQ(o.out.raw(), fresh.out.raw());
+    EXPECT_EQ(o.lse.raw(), fresh.lse.raw());
+    check_paged_selection(next, o.topk);
+    check_paged_attention(next, o);
+    expect_padding_rows(next, o);
+  }
+}
+
+TEST(InferenceDecode, UpdateRefusesAnotherShapeAndLeavesThePlan) {
+  MSA_SEEDED_RNG(rng);
+  const PagedCase c = make_decode_case(rng, kSmall, {3000, 0, 700, 140}, 4);
+  InferencePlan plan = c.plan();
+  auto seq_lens_of = [](const InferencePlan& p) {  // a CPU plan's device copy of seq_lens
+    const auto* v = static_cast<const int32_t*>(p.seq_lens.data());
+    return std::vector<int32_t>(v, v + p.batch);
+  };
+  const std::vector<int32_t> before = seq_lens_of(plan);
+  const PagedCase next = next_step(c);
+  const HostTensor sl = int_tensor(next.seq_lens, {4}), pt = int_tensor(next.page_table, {4, next.max_pages});
+  DecodeMetadata m = metadata(next, sl, pt);
+  m.q_len_per_req = 2;
+  expect_error([&] { update_decode_plan(plan, m); }, {"q_len_per_req must be the plan's 4, got 2"});
+  const int64_t half = next.max_pages / 2;
+  std::vector<int32_t> narrow_table(size_t(4 * half));
+  for (int64_t b = 0; b < 4; ++b)
+    for (int64_t j = 0; j < half; ++j) narrow_table[size_t(b * half + j)] = next.page_table[size_t(b * next.max_pages + j)];
+  const HostTensor three = int_tensor({1, 2, 3}, {3}), narrow = int_tensor(narrow_table, {4, half});
+  m = metadata(next, three, int_tensor(std::vector<int32_t>(size_t(3 * next.max_pages), 0), {3, next.max_pages}));
+  expect_error([&] { update_decode_plan(plan, m); }, {"seq_lens must have the plan's batch = 4 entries, got 3"});
+  m = metadata(next, sl, narrow);
+  expect_error([&] { update_decode_plan(plan, m); }, {"page_table must have the plan's width max_pages"});
+  const HostTensor longer = int_tensor({3001, 130, 0, 139}, {4});
+  m = metadata(next, longer, pt);
+  expect_error([&] { update_decode_plan(plan, m); }, {"seq_lens[0] = 3001 is longer than the plan's max_seqlen_k = 3000"});
+  const InferencePlan prefill = make_prefill_case(rng, kSmall, {300}, {5}).plan();
+  InferencePlan prefill_copy = prefill;
+  expect_error([&] { update_decode_plan(prefill_copy, metadata(next, sl, pt)); }, {"needs a decode plan"});
+  EXPECT_EQ(seq_lens_of(plan), before) << "a refused update changed the plan";
+}
+
 TEST(InferenceDecode, AutomaticSplitCount) {
   MSA_SEEDED_RNG(rng);
   // CPU plans: 1 (the CPU runs a row's splits one after another); an explicit count is kept.

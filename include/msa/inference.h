@@ -210,6 +210,16 @@ InferencePlan plan_paged_prefill(const Topology& topo, const PagedPrefillMetadat
 InferencePlan plan_decode(const Topology& topo, const DecodeMetadata& meta,
                           const InferencePlanOptions& options = {});
 
+// Decode under CUDA graphs: rewrites a decode plan's device metadata in place for the next step
+// (new seq_lens and page_table, checked like plan_decode), so that a graph captured with the
+// plan's runs replays on the new step without a new plan. The step must keep the plan's batch,
+// q_len_per_req and page_table width, and no seq_lens may exceed the plan's max_seqlen_k (make
+// the plan with the longest context the graph will serve); the split count stays the plan's.
+// The copies are ordered on opt.stream: call it before the replay on the replay's stream, not
+// during a capture. Copies of a plan share its device buffers (they see the new step) but keep
+// their own max_physical_page.
+void update_decode_plan(InferencePlan& plan, const DecodeMetadata& meta, const RunOptions& opt = {});
+
 // ---------------------------------------------------------------------------------------
 // Run (per layer)
 

@@ -80,6 +80,34 @@ void check_page_table(const StepRequests& s) {
   }
 }
 
+// What every query row of a step needs (causal position, request, cache slot) and the step's
+// extremes.
+struct StepRows {
+  std::vector<int32_t> positions, request, slots;
+  int64_t max_seqlen_q = 0, max_seqlen_k = 0, max_physical_page = -1;
+};
+
+StepRows step_rows(const StepRequests& s) {
+  StepRows r;
+  const size_t total_q = size_t(s.cu_q.back());
+  r.positions.resize(total_q), r.request.resize(total_q), r.slots.resize(total_q);
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const int64_t q0 = s.cu_q[size_t(b)], q_len = s.cu_q[size_t(b) + 1] - q0, k_len = s.seq_lens[size_t(b)];
+    r.max_seqlen_q = std::max(r.max_seqlen_q, q_len);
+    r.max_seqlen_k = std::max(r.max_seqlen_k, k_len);
+    for (int64_t i = 0; i < q_len; ++i) {
+      const int64_t pos = k_len - q_len + i;
+      r.positions[size_t(q0 + i)] = int32_t(pos);
+      r.request[size_t(q0 + i)] = int32_t(b);
+      r.slots[size_t(q0 + i)] =
+          pos < 0 ? -1 : int32_t(s.page_table[size_t(b * s.max_pages + pos / kPageSize)] * kPageSize + pos % kPageSize);
+    }
+    for (int64_t j = 0; j < (k_len + kPageSize - 1) / kPageSize; ++j)
+      r.max_physical_page = std::max<int64_t>(r.max_physical_page, s.page_table[size_t(b * s.max_pages + j)]);
+  }
+  return r;
+}
+
 // num_kv_splits: decode's split count, 0 = automatic; prefill: 1.
 InferencePlan finish(const Topology& topo, InferencePhase phase, const StepRequests& s, int q_len_per_req,
                      int num_kv_splits, const InferencePlanOptions& options) {
@@ -92,22 +120,13 @@ InferencePlan finish(const Topology& topo, InferencePhase phase, const StepReque
   plan.max_pages = s.max_pages;
   plan.q_len_per_req = q_len_per_req;
   plan.total_q = s.cu_q.back();
-
-  std::vector<int32_t> positions(size_t(plan.total_q)), request(size_t(plan.total_q)), slots(size_t(plan.total_q));
-  for (int64_t b = 0; b < s.batch; ++b) {
-    const int64_t q0 = s.cu_q[size_t(b)], q_len = s.cu_q[size_t(b) + 1] - q0, k_len = s.seq_lens[size_t(b)];
-    plan.max_seqlen_q = std::max(plan.max_seqlen_q, q_len);
-    plan.max_seqlen_k = std::max(plan.max_seqlen_k, k_len);
-    for (int64_t i = 0; i < q_len; ++i) {
-      const int64_t pos = k_len - q_len + i;
-      positions[size_t(q0 + i)] = int32_t(pos);
-      request[size_t(q0 + i)] = int32_t(b);
-      slots[size_t(q0 + i)] =
-          pos < 0 ? -1 : int32_t(s.page_table[size_t(b * s.max_pages + pos / kPageSize)] * kPageSize + pos % kPageSize);
-    }
-    for (int64_t j = 0; j < (k_len + kPageSize - 1) / kPageSize; ++j)
-      plan.max_physical_page = std::max<int64_t>(plan.max_physical_page, s.page_table[size_t(b * s.max_pages + j)]);
-  }
+  const StepRows rows = step_rows(s);
+  const std::vector<int32_t>& positions = rows.positions;
+  const std::vector<int32_t>& request = rows.request;
+  const std::vector<int32_t>& slots = rows.slots;
+  plan.max_seqlen_q = rows.max_seqlen_q;
+  plan.max_seqlen_k = rows.max_seqlen_k;
+  plan.max_physical_page = rows.max_physical_page;
 
   if (options.device.is_cuda() && !detail::kWithCuda) detail::no_cuda_backend("inference plan (options.device)");
   const Device dev = options.device;
@@ -175,6 +194,31 @@ void read_page_table(const TensorView& page_table, StepRequests& s) {
   s.page_table = host_int32(page_table, "page_table", {Dim(s.batch, "batch"), Dim(s.max_pages, "max_pages")});
 }
 
+// A decode step's requests (Q rows each) from its metadata: read (shapes checked), then its
+// lengths checked (check_decode_lengths) as plan_decode does.
+void check_q_len(int Q) {
+  require(Q >= 1 && Q <= kTopk, concat("query_length (q_len_per_req) must be an integer in [1, 16], got ", Q));
+}
+
+StepRequests read_decode_requests(const DecodeMetadata& meta) {
+  check_q_len(meta.q_len_per_req);
+  StepRequests s = requests_of(meta.seq_lens, "decode");
+  read_page_table(meta.page_table, s);
+  return s;
+}
+
+void check_decode_lengths(StepRequests& s, int Q) {
+  for (int64_t b = 0; b < s.batch; ++b) {
+    const int32_t k_len = s.seq_lens[size_t(b)];
+    require(k_len == 0 || k_len >= Q,
+            concat("seq_lens[", b, "] = ", k_len, " must be 0 (a padding row) or >= q_len_per_req = ", Q,
+                   " (the step's queries are part of the KV sequence)"));
+  }
+  require(s.batch * Q <= INT32_MAX, concat("batch * q_len_per_req must fit in int32, got ", s.batch * Q));
+  s.cu_q.resize(size_t(s.batch) + 1);
+  for (int64_t b = 0; b <= s.batch; ++b) s.cu_q[size_t(b)] = int32_t(b * Q);
+}
+
 }  // namespace
 
 InferencePlan plan_paged_prefill(const Topology& topo, const PagedPrefillMetadata& meta,
@@ -202,23 +246,46 @@ InferencePlan plan_paged_prefill(const Topology& topo, const PagedPrefillMetadat
 InferencePlan plan_decode(const Topology& topo, const DecodeMetadata& meta, const InferencePlanOptions& options) {
   topo.validate();
   check_options(options);
-  const int Q = meta.q_len_per_req;
-  require(Q >= 1 && Q <= kTopk, concat("query_length (q_len_per_req) must be an integer in [1, 16], got ", Q));
+  check_q_len(meta.q_len_per_req);
   const int splits = options.num_kv_splits;
   require(splits == 0 || splits == 1 || splits == 2 || splits == 4 || splits == 8 || splits == 16,
           concat("num_kv_splits must be 0 (automatic), 1, 2, 4, 8 or 16, got ", splits));
-  StepRequests s = requests_of(meta.seq_lens, "decode");
-  read_page_table(meta.page_table, s);
-  for (int64_t b = 0; b < s.batch; ++b) {
-    const int32_t k_len = s.seq_lens[size_t(b)];
-    require(k_len == 0 || k_len >= Q,
-            concat("seq_lens[", b, "] = ", k_len, " must be 0 (a padding row) or >= q_len_per_req = ", Q,
-                   " (the step's queries are part of the KV sequence)"));
-  }
-  require(s.batch * Q <= INT32_MAX, concat("batch * q_len_per_req must fit in int32, got ", s.batch * Q));
-  s.cu_q.resize(size_t(s.batch) + 1);
-  for (int64_t b = 0; b <= s.batch; ++b) s.cu_q[size_t(b)] = int32_t(b * Q);
-  return finish(topo, InferencePhase::decode, s, Q, splits, options);  // 0: chosen from the work there
+  StepRequests s = read_decode_requests(meta);
+  check_decode_lengths(s, meta.q_len_per_req);
+  return finish(topo, InferencePhase::decode, s, meta.q_len_per_req, splits, options);  // 0: chosen from the work there
+}
+
+void update_decode_plan(InferencePlan& plan, const DecodeMetadata& meta, const RunOptions& opt) {
+  detail::check_run_options(opt);
+  require(plan.phase == InferencePhase::decode && plan.q_len_per_req >= 1,
+          "update_decode_plan needs a decode plan (from plan_decode), got a prefill plan");
+  require(meta.q_len_per_req == plan.q_len_per_req,
+          concat("q_len_per_req must be the plan's ", plan.q_len_per_req, ", got ", meta.q_len_per_req));
+  StepRequests s = read_decode_requests(meta);
+  require(s.batch == plan.batch,
+          concat("seq_lens must have the plan's batch = ", plan.batch, " entries, got ", s.batch));
+  require(s.max_pages == plan.max_pages,
+          concat("page_table must have the plan's width max_pages = ", plan.max_pages, ", got ", s.max_pages));
+  check_decode_lengths(s, meta.q_len_per_req);
+  check_page_table(s);
+  StepRows rows = step_rows(s);
+  for (int64_t b = 0; b < s.batch; ++b)
+    require(s.seq_lens[size_t(b)] <= plan.max_seqlen_k,
+            concat("seq_lens[", b, "] = ", s.seq_lens[size_t(b)], " is longer than the plan's max_seqlen_k = ",
+                   plan.max_seqlen_k, ": the indexer's launch (also a captured one) covers the context the plan was "
+                   "made for; plan with the longest context the step will see"));
+  // Checked: now the device copies, ordered on opt.stream (the host vectors may go once the
+  // calls return). cu_seqlens_q and query_request depend on batch and Q only.
+  auto upload = [&](const std::vector<int32_t>& values, const Buffer& dst) {
+    const TensorView src = TensorView::contiguous(const_cast<int32_t*>(values.data()), DType::i32,
+                                                  dst.view().shape_vector());
+    copy(src, dst.view(), opt.stream);
+  };
+  upload(s.seq_lens, plan.seq_lens);
+  upload(s.page_table, plan.page_table);
+  upload(rows.positions, plan.positions);
+  upload(rows.slots, plan.slot_mapping);
+  plan.max_physical_page = rows.max_physical_page;
 }
 
 std::vector<int32_t> document_positions(const PackedLayout& layout) {
