@@ -11,6 +11,7 @@ elsewhere ``_native`` is used only for its error classes and types.
 
 import operator
 import os
+import sys
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -347,6 +348,15 @@ def plan_decode(topo, seq_lens, page_table, q_len_per_req, *, device="cpu", num_
     return _native.plan_decode(topo, host_int32(seq_lens, "seq_lens"), host_int32(page_table, "page_table"),
                                integer(q_len_per_req, "q_len_per_req"), device_name(device),
                                integer(num_kv_splits, "num_kv_splits"), num_threads_arg(num_threads))
+
+
+def update_decode_plan(plan, seq_lens, page_table, q_len_per_req, *, stream=None):
+    if stream is None:  # PyTorch's current stream for a CUDA plan when PyTorch is in use, else 0
+        torch = sys.modules.get("torch")
+        on_cuda = plan.device.startswith("cuda")
+        stream = torch.cuda.current_stream(torch.device(plan.device)).cuda_stream if torch and on_cuda else 0
+    _native.update_decode_plan(plan, host_int32(seq_lens, "seq_lens"), host_int32(page_table, "page_table"),
+                               integer(q_len_per_req, "q_len_per_req"), integer(stream, "stream"))
 
 
 def document_positions(*args, **kwargs):

@@ -38,6 +38,14 @@ def plan_decode(seq_lens, page_table, q_len_per_req=1, topology=None, *, device=
                               num_kv_splits=num_kv_splits, num_threads=num_threads)
 
 
+def update_decode_plan(plan, seq_lens, page_table, *, stream=None):
+    """Rewrites a decode plan for the next step: new seq_lens and page_table (same batch, the
+    plan's q_len_per_req and page_table width, no context longer than the plan's max_seqlen_k),
+    so that CUDA graphs captured with the plan's runs replay on the new step. The copies are
+    queued on `stream` (default: PyTorch's current stream for a CUDA plan, else 0)."""
+    _calls.update_decode_plan(plan, seq_lens, page_table, plan.q_len_per_req, stream=stream)
+
+
 def rms_norm_rope(x, weight, positions, out=None, *, rotary_dim=64, eps=1e-6, rope_theta=5e6, stream=None):
     """Gemma RMSNorm + partial NeoX RoPE of x [tokens, H, 128] bf16; returns out (a new bf16
     array unless given; out=x works in place)."""

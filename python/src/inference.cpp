@@ -219,6 +219,22 @@ void bind_inference(nb::module_& m) {
       "Plans a decode step (q_len_per_req queries per request) from int32 CPU metadata.");
 
   m.def(
+      "update_decode_plan",
+      [](InferencePlan& plan, const InArray& seq_lens, const InArray& page_table, int q_len_per_req,
+         uintptr_t stream) {
+        DecodeMetadata meta;
+        meta.seq_lens = to_view(seq_lens, "seq_lens");
+        meta.page_table = to_view(page_table, "page_table");
+        meta.q_len_per_req = q_len_per_req;
+        RunOptions opt;
+        opt.stream = reinterpret_cast<void*>(stream);
+        nb::gil_scoped_release unlocked;
+        update_decode_plan(plan, meta, opt);
+      },
+      nb::arg("plan"), nb::arg("seq_lens"), nb::arg("page_table"), nb::arg("q_len_per_req"), nb::arg("stream") = 0,
+      "Rewrites a decode plan's device metadata for the next step (same batch, Q and table width).");
+
+  m.def(
       "paged_indexer",
       [](const InferencePlan& plan, const InArray& index_q, const InArray& index_k_cache, const OutArray& topk,
          bool deterministic, int num_threads, uintptr_t stream) {

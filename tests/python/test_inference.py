@@ -1,6 +1,7 @@
 """Inference bindings: a paged prefill over an identity page table equals the training path."""
 
 import numpy as np
+import pytest
 
 import msa
 import msa.inference as inf
@@ -41,3 +42,27 @@ def test_decode_plan_and_norm_rope():
     x = msa.bf16.from_float(np.ones((3, 1, 128)))
     y = inf.rms_norm_rope(x, np.zeros(128, np.float32), np.zeros(3, np.int32))
     np.testing.assert_allclose(msa.bf16.to_float(y), 1.0, rtol=1e-2)
+
+
+def test_update_decode_plan_runs_the_next_step(rng):
+    # An engine's decode loop: the plan of one step rewritten for the next gives what a new plan
+    # of the next step gives, bit for bit on the CPU.
+    topo = msa.Topology(num_q_heads=16, num_kv_heads=1, num_index_heads=1)
+    pages, q_len = 24, 2
+    k_cache, v_cache = bf16_input(rng, pages, 1, 128, 128)[0], bf16_input(rng, pages, 1, 128, 128)[0]
+    index_k_cache = bf16_input(rng, pages, 128, 128)[0]
+    table = rng.permutation(pages).astype(np.int32).reshape(2, 12)
+    q, iq = bf16_input(rng, 2 * q_len, 16, 128)[0], bf16_input(rng, 2 * q_len, 1, 128)[0]
+    plan = inf.plan_decode([1500, 700], table, q_len, topo)
+    next_table = table[::-1].copy()
+    inf.update_decode_plan(plan, [1400, 2], next_table)
+    assert plan.arrays()["seq_lens"].tolist() == [1400, 2]
+    got = inf.paged_forward(plan, q, iq, k_cache, v_cache, index_k_cache)
+    want = inf.paged_forward(inf.plan_decode([1400, 2], next_table, q_len, topo), q, iq, k_cache, v_cache,
+                             index_k_cache)
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    with pytest.raises(msa.InvalidArgumentError, match="longer than the plan's max_seqlen_k = 1500"):
+        inf.update_decode_plan(plan, [1501, 2], next_table)
+    with pytest.raises(msa.InvalidArgumentError, match="batch = 2 entries, got 1"):
+        inf.update_decode_plan(plan, [700], next_table[:1])
