@@ -268,7 +268,7 @@ void update_decode_plan(InferencePlan& plan, const DecodeMetadata& meta, const R
           concat("page_table must have the plan's width max_pages = ", plan.max_pages, ", got ", s.max_pages));
   check_decode_lengths(s, meta.q_len_per_req);
   check_page_table(s);
-  StepRows rows = step_rows(s);
+  const StepRows rows = step_rows(s);
   for (int64_t b = 0; b < s.batch; ++b)
     require(s.seq_lens[size_t(b)] <= plan.max_seqlen_k,
             concat("seq_lens[", b, "] = ", s.seq_lens[size_t(b)], " is longer than the plan's max_seqlen_k = ",
