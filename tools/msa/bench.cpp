@@ -10,6 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "bench_common.h"
 #include "case_io.h"
 #include "msa/msa.h"
 #include "step_buffers.h"
@@ -159,13 +160,7 @@ std::string fixed(double value, int decimals) {
 
 // Table cells; '-' for what this backend does not measure.
 std::string ms_cell(const StepTiming& s) { return s.measured() ? fixed(s.seconds * 1e3, 3) : "-"; }
-std::string tf_cell(const StepTiming& s) {
-  if (!s.measured() || s.tflops() <= 0) return "-";
-  if (s.tflops() >= 1) return fixed(s.tflops(), 1);
-  char text[48];  // three significant digits for the CPU's small rates
-  std::snprintf(text, sizeof text, "%#.3g", s.tflops());
-  return text;
-}
+std::string tf_cell(const StepTiming& s) { return s.measured() ? tflops_cell(s.tflops()) : "-"; }
 std::string gib_cell(int64_t bytes) { return bytes >= 0 ? fixed(double(bytes) / double(1ull << 30), 1) : "-"; }
 
 // The row as one line, printed as soon as it is measured (a run cut short keeps its rows).

@@ -1,6 +1,8 @@
 #include "bench_common.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
 
 #include "msa/error.h"
 
@@ -131,6 +133,14 @@ PagePool fill_pool(DeviceArena& arena, int64_t pages, int Hkv, const std::vector
     p.v_sf = upload("v4sf", DType::f8e4m3, {Hkv, kPage, kDim / 16}, 9, true);
   }
   return p;
+}
+
+std::string tflops_cell(double tflops) {
+  if (!(tflops > 0)) return "-";
+  const int decimals = tflops >= 1 ? 1 : std::clamp(2 - int(std::floor(std::log10(tflops))), 1, 15);
+  char text[64];
+  std::snprintf(text, sizeof text, "%.*f", decimals, tflops);
+  return text;
 }
 
 }  // namespace msa::tool

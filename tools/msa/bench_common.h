@@ -22,6 +22,10 @@ std::vector<std::string> split_list(const std::string& text);
 // --formats: a comma-separated list of bf16, fp8, nvfp4; duplicates dropped, order kept.
 std::vector<KvFormat> parse_formats(const std::string& text);
 
+// A TFLOP/s table cell: one decimal from 1 on, three significant digits below (the CPU's
+// small rates) without an exponent; '-' when there is no rate (<= 0).
+std::string tflops_cell(double tflops);
+
 // Cheap reproducible contents (xorshift64). One generator per tensor: a tensor filled slab by
 // slab holds the same bytes as one filled whole.
 class RandomBytes {

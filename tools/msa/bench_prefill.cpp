@@ -446,15 +446,9 @@ std::string fixed(double value, int decimals) {
   return text;
 }
 std::string ms_cell(double seconds) { return fixed(seconds * 1e3, 3); }
-// TFLOP/s: one decimal from 1 on, three significant digits below (the CPU's rates); '-' when
-// there is no useful work (a row set whose rows all see at most topk pages does not rank).
-std::string tf_cell(double tflops) {
-  if (tflops <= 0) return "-";
-  if (tflops >= 1) return fixed(tflops, 1);
-  char text[48];
-  std::snprintf(text, sizeof text, "%#.3g", tflops);
-  return text;
-}
+// TFLOP/s cell ('-' when there is no useful work: a row set whose rows all see at most topk
+// pages does not rank).
+std::string tf_cell(double tflops) { return tflops_cell(tflops); }
 std::string weight_cell(double w) { return w == std::floor(w) && w < 1e15 ? fixed(w, 0) : fixed(w, 2); }
 
 // "prefill_4469427d069d9467c4ec" -> "4469427d".
