@@ -22,7 +22,6 @@ namespace msa::tool {
 
 namespace {
 
-[[noreturn]] void invalid(const std::string& message) { throw Error(ErrorKind::invalid_argument, message); }
 
 void progress(const std::string& line) { std::cerr << "[msa bench] " << line << std::endl; }
 
@@ -152,11 +151,6 @@ BenchRow bench_one(const Topology& topo, Device dev, int64_t tokens, Selection s
   return row;
 }
 
-std::string fixed(double value, int decimals) {
-  char text[48];
-  std::snprintf(text, sizeof text, "%.*f", decimals, value);
-  return text;
-}
 
 // Table cells; '-' for what this backend does not measure.
 std::string ms_cell(const StepTiming& s) { return s.measured() ? fixed(s.seconds * 1e3, 3) : "-"; }

@@ -42,9 +42,7 @@ std::vector<KvFormat> parse_formats(const std::string& text) {
     if (item == "bf16") f = KvFormat::bf16;
     else if (item == "fp8") f = KvFormat::fp8_e4m3;
     else if (item == "nvfp4") f = KvFormat::nvfp4;
-    else
-      throw Error(ErrorKind::invalid_argument,
-                  "--formats must be a comma-separated list of bf16, fp8, nvfp4, got '" + item + "'");
+    else invalid("--formats must be a comma-separated list of bf16, fp8, nvfp4, got '" + item + "'");
     if (std::find(formats.begin(), formats.end(), f) == formats.end()) formats.push_back(f);
   }
   return formats;
@@ -135,12 +133,17 @@ PagePool fill_pool(DeviceArena& arena, int64_t pages, int Hkv, const std::vector
   return p;
 }
 
+void invalid(const std::string& message) { throw Error(ErrorKind::invalid_argument, message); }
+
+std::string fixed(double value, int decimals) {
+  char text[64];
+  std::snprintf(text, sizeof text, "%.*f", decimals, value);
+  return text;
+}
+
 std::string tflops_cell(double tflops) {
   if (!(tflops > 0)) return "-";
-  const int decimals = tflops >= 1 ? 1 : std::clamp(2 - int(std::floor(std::log10(tflops))), 1, 15);
-  char text[64];
-  std::snprintf(text, sizeof text, "%.*f", decimals, tflops);
-  return text;
+  return fixed(tflops, tflops >= 1 ? 1 : std::clamp(2 - int(std::floor(std::log10(tflops))), 1, 15));
 }
 
 }  // namespace msa::tool

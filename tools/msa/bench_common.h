@@ -22,6 +22,12 @@ std::vector<std::string> split_list(const std::string& text);
 // --formats: a comma-separated list of bf16, fp8, nvfp4; duplicates dropped, order kept.
 std::vector<KvFormat> parse_formats(const std::string& text);
 
+// Refuses a benchmark option or input: msa::Error (invalid_argument) with `message`.
+[[noreturn]] void invalid(const std::string& message);
+
+// `value` with `decimals` digits after the point (a table or CSV cell).
+std::string fixed(double value, int decimals);
+
 // A TFLOP/s table cell: one decimal from 1 on, three significant digits below (the CPU's
 // small rates) without an exponent; '-' when there is no rate (<= 0).
 std::string tflops_cell(double tflops);

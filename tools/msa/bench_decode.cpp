@@ -46,7 +46,6 @@ constexpr int kPage = 128, kDim = 128, kDefaultQ = 8;
 constexpr int64_t kCopyBytes = int64_t(1) << 30;
 constexpr int kCopyRepeats = 5;
 
-[[noreturn]] void invalid(const std::string& message) { throw Error(ErrorKind::invalid_argument, message); }
 
 void progress(const std::string& line) { std::cerr << "[msa bench] decode: " << line << std::endl; }
 
@@ -202,11 +201,6 @@ DecodeRow bench_shape(const DecodeShape& pt, const Topology& topo, Device dev, c
   return row;
 }
 
-std::string fixed(double value, int decimals) {
-  char text[48];
-  std::snprintf(text, sizeof text, "%.*f", decimals, value);
-  return text;
-}
 
 std::string context_cell(int64_t context) {
   return context % 1024 == 0 ? std::to_string(context / 1024) + "k" : std::to_string(context);

@@ -50,7 +50,6 @@ constexpr int kPage = 128, kDim = 128;
 // The library's limit: 8192 pages (1,048,576 tokens) per request.
 constexpr int64_t kMaxKv = int64_t(8192) * kPage;
 
-[[noreturn]] void invalid(const std::string& message) { throw Error(ErrorKind::invalid_argument, message); }
 
 void progress(const std::string& line) { std::cerr << "[msa bench] prefill: " << line << std::endl; }
 
@@ -440,11 +439,6 @@ std::vector<PrefillRow> bench_case(const PrefillCase& c, const std::vector<int32
 
 // ---- reporting ----
 
-std::string fixed(double value, int decimals) {
-  char text[48];
-  std::snprintf(text, sizeof text, "%.*f", decimals, value);
-  return text;
-}
 std::string ms_cell(double seconds) { return fixed(seconds * 1e3, 3); }
 // TFLOP/s cell ('-' when there is no useful work: a row set whose rows all see at most topk
 // pages does not rank).
