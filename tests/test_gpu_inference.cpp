@@ -9,6 +9,7 @@
 
 #if MSA_WITH_CUDA
 #include <cmath>
+#include <functional>
 #include <utility>
 #include <cuda_runtime.h>
 #endif
@@ -570,12 +571,14 @@ TEST(GpuInference, MisalignedRowsAreRefusedBeforeAnythingIsWritten) {
 #define CHECK_CUDA(call) ASSERT_EQ((call), cudaSuccess) << #call
 
 // One layer step (indexer + attention, paged_forward) captured in a CUDA graph on a
-// non-blocking stream, replayed with new q / index_q contents: each replay must give what the
-// CPU computes for those contents (the plan's per-layer device work, e.g. prefill's schedule
-// built from the new top-k, is inside the graph).
-void expect_graph_replays_match_cpu(std::mt19937_64& rng, PagedCase& c, int splits) {
+// non-blocking stream, replayed twice: each replay must give what the CPU computes for the
+// step it runs (the plan's per-layer device work, e.g. prefill's schedule built from the new
+// top-k, is inside the graph). Before each replay `next` prepares the step (new metadata
+// through the plan, say); without it the step gets new q / index_q contents.
+using NextStep = std::function<void(PagedCase& c, InferencePlan& plan, const RunOptions& opt)>;
+void expect_graph_replays_match_cpu(std::mt19937_64& rng, PagedCase& c, int splits, const NextStep& next = {}) {
   DeviceCase d(c);
-  const InferencePlan plan = gpu_plan(c, splits);
+  InferencePlan plan = gpu_plan(c, splits);
   GpuOutputs o(c, DType::bf16);
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -591,10 +594,14 @@ void expect_graph_replays_match_cpu(std::mt19937_64& rng, PagedCase& c, int spli
   CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
   for (int step = 0; step < 2; ++step) {
     SCOPED_TRACE("replay " + std::to_string(step));
-    c.q = random_tensor(rng, {c.total_q(), c.topo.num_q_heads, 128});
-    c.index_q = random_tensor(rng, {c.total_q(), c.topo.num_index_heads, 128}, 0.2f);
-    d.q.upload(c.q);
-    d.index_q.upload(c.index_q);
+    if (next) {
+      next(c, plan, opt);
+    } else {
+      c.q = random_tensor(rng, {c.total_q(), c.topo.num_q_heads, 128});
+      c.index_q = random_tensor(rng, {c.total_q(), c.topo.num_index_heads, 128}, 0.2f);
+      d.q.upload(c.q);
+      d.index_q.upload(c.index_q);
+    }
     o.out.poison();
     o.lse.poison();
     o.topk.poison();
@@ -619,48 +626,22 @@ TEST(GpuInference, DecodeStepGraphReplayWithNewContents) {
 }
 
 // An engine's decode loop: a step captured once, then replayed after update_decode_plan has
-// written the next step's seq_lens and page table into the plan (on the replay's stream).
+// written the next step's seq_lens and page table into the plan (on the replay's stream):
+// shorter contexts, request 1 (a padding row before) reading request 0's pages.
 TEST(GpuInference, DecodeGraphReplaysTheNextStepAfterUpdate) {
   MSA_REQUIRE_GPU();
   MSA_SEEDED_RNG(rng);
-  const PagedCase c = make_decode_case(rng, Topology::minimax_m3(), {3000, 0, 700, 140}, 8, format_options("fp8"));
-  DeviceCase d(c);
-  InferencePlan plan = gpu_plan(c, 2);
-  GpuOutputs o(c, DType::bf16);
-  cudaStream_t stream;
-  CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  RunOptions opt;
-  opt.stream = stream;
-  gpu_paged_forward(plan, d, o, opt);  // warm-up outside the capture
-  CHECK_CUDA(cudaStreamSynchronize(stream));
-  cudaGraph_t graph;
-  CHECK_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  gpu_paged_forward(plan, d, o, opt);
-  CHECK_CUDA(cudaStreamEndCapture(stream, &graph));
-  cudaGraphExec_t exec;
-  CHECK_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  // The next step: shorter contexts, request 1 (a padding row before) reading request 0's pages.
-  PagedCase next = c;
-  next.seq_lens = {2999, 130, 0, 139};
-  for (int64_t j = 0; j < c.max_pages; ++j) next.page_table[size_t(c.max_pages + j)] = c.page_table[size_t(j)];
-  const HostTensor sl = int_tensor(next.seq_lens, {4}), pt = int_tensor(next.page_table, {4, next.max_pages});
-  DecodeMetadata m;
-  m.seq_lens = sl.view();
-  m.page_table = pt.view();
-  m.q_len_per_req = next.q_len_per_req;
-  update_decode_plan(plan, m, opt);
-  o.out.poison();
-  o.lse.poison();
-  o.topk.poison();
-  synchronize(kGpu);
-  CHECK_CUDA(cudaGraphLaunch(exec, stream));
-  CHECK_CUDA(cudaStreamSynchronize(stream));
-  const PagedOutputs got = o.host();
-  expect_selection_matches_cpu(next, got.topk, cpu_indexer(next));
-  expect_attention_matches_cpu(got, cpu_attention(next, got.topk, 2, DType::bf16));
-  CHECK_CUDA(cudaGraphExecDestroy(exec));
-  CHECK_CUDA(cudaGraphDestroy(graph));
-  CHECK_CUDA(cudaStreamDestroy(stream));
+  PagedCase c = make_decode_case(rng, Topology::minimax_m3(), {3000, 0, 700, 140}, 8, format_options("fp8"));
+  expect_graph_replays_match_cpu(rng, c, 2, [](PagedCase& step, InferencePlan& plan, const RunOptions& opt) {
+    step.seq_lens = {2999, 130, 0, 139};
+    for (int64_t j = 0; j < step.max_pages; ++j) step.page_table[size_t(step.max_pages + j)] = step.page_table[size_t(j)];
+    const HostTensor sl = int_tensor(step.seq_lens, {4}), pt = int_tensor(step.page_table, {4, step.max_pages});
+    DecodeMetadata m;
+    m.seq_lens = sl.view();
+    m.page_table = pt.view();
+    m.q_len_per_req = step.q_len_per_req;
+    update_decode_plan(plan, m, opt);
+  });
 }
 
 TEST(GpuInference, PrefillStepGraphReplayWithNewContents) {
