@@ -197,8 +197,11 @@ TEST(DecodeSplitRule, OneWaveOfSplitsWithSeveralPages) {
   EXPECT_EQ(rule_splits(128, 131072), 1);
   EXPECT_EQ(rule_splits(8, 4096, 8, 4, 264), 8);  // two CTAs an SM: room for twice the splits
   EXPECT_EQ(rule_splits(1, 4096, 8, 4, 16), 4);   // a small device
-  EXPECT_EQ(rule_splits(1, 1900), 2);    // 15 visible pages: slots 8..14 fill a second split
-  EXPECT_EQ(rule_splits(1, 1000), 1);    // 8 visible pages: a second split would hold none
+  EXPECT_EQ(rule_splits(1, 1900), 2);    // 15 visible pages: two splits of 7 and 8
+  EXPECT_EQ(rule_splits(1, 1000), 2);    // 8 visible pages: two splits of 4
+  EXPECT_EQ(rule_splits(1, 800), 1);     // 7 visible pages: a second split would hold 3
+  EXPECT_EQ(rule_splits(1, 4096, 16), 8);   // Q = 16: two tiles of 8 rows, 8 units
+  EXPECT_EQ(rule_splits(16, 4096, 16), 1);  // 128 units fill the card
   EXPECT_EQ(rule_splits(1, 1), 1);
   // Padding requests (seq_len 0) add no work; a step of padding only gets 1.
   EXPECT_EQ(detail::automatic_kv_splits(detail::decode_split_work({0, 4096, 0, 0, 0, 0, 0, 0}, 8, 4, 132)),
@@ -222,11 +225,10 @@ TEST(DecodeSplitRule, EverySplitHoldsPagesAndLargerBatchesNeverSplitMore) {
             ASSERT_LE(s, previous);
             previous = s;
             if (s == 1) continue;
-            EXPECT_LE(batch * hkv * s, ctas) << "more than one wave";
-            // Split s - 1 holds slots 16 - 16 / s .. 15; the last row fills min(16, visible) slots.
+            const int rows = q <= 8 ? q : (q + 1) / 2;  // a tile's rows; two tiles above Q = 8
+            EXPECT_LE(batch * ((q + rows - 1) / rows) * hkv * s, ctas) << "more than one wave";
             const int64_t visible = (context + 127) / 128;
-            EXPECT_LT(16 - 16 / s, std::min<int64_t>(16, visible)) << "the last split holds no page";
-            EXPECT_GE(std::min<int64_t>(q * std::min<int64_t>(16, visible), visible), 4 * s) << "splits of < 4 pages";
+            EXPECT_GE(std::min<int64_t>(rows * std::min<int64_t>(16, visible), visible), 4 * s) << "splits of < 4 pages";
           }
         }
 }
