@@ -27,25 +27,43 @@ PFN_cuTensorMapEncodeTiled_v12000 encoder() {
   return fn;
 }
 
+[[noreturn]] void fail_encode(const char* what, CUresult r, const std::string& shape, const void* base) {
+  std::ostringstream os;
+  os << "cuTensorMapEncodeTiled for " << what << " failed with error " << int(r) << " (" << shape << " at " << base << ")";
+  throw Error(ErrorKind::runtime, os.str());
+}
+
 // Encodes a bf16 map of rank `rank` (dims innermost first, byte strides of dims 1..) with the
 // 128-byte swizzle; `shape` describes it in the error the driver's refusal raises.
 CUtensorMap encode_bf16(int rank, const void* base, const cuuint64_t* dims, const cuuint64_t* strides,
                         const cuuint32_t* box, const char* what, const std::string& shape) {
   CUtensorMap map{};
-  const cuuint32_t element_strides[3] = {1, 1, 1};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
   const CUresult r = encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, cuuint32_t(rank), const_cast<void*>(base), dims,
                                strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
                                CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) {
-    std::ostringstream os;
-    os << "cuTensorMapEncodeTiled for " << what << " failed with error " << int(r) << " (" << shape << " at " << base
-       << ")";
-    throw Error(ErrorKind::runtime, os.str());
-  }
+  if (r != CUDA_SUCCESS) fail_encode(what, r, shape, base);
   return map;
 }
 
 }  // namespace
+
+CUtensorMap paged_cache_map(const void* base, int64_t pages, int64_t heads, int row_bytes, int64_t page_stride,
+                            int64_t head_stride, int64_t token_stride, const char* what) {
+  const bool bf16 = row_bytes == 256;
+  const cuuint64_t dims[4] = {cuuint64_t(bf16 ? 128 : row_bytes), 128, cuuint64_t(heads), cuuint64_t(pages > 0 ? pages : 1)};
+  const cuuint64_t strides[3] = {cuuint64_t(token_stride), cuuint64_t(head_stride), cuuint64_t(page_stride)};
+  const cuuint32_t box[4] = {cuuint32_t(bf16 ? 64 : row_bytes), 128, 1, 1};
+  const std::string shape = std::to_string(pages) + " pages x " + std::to_string(heads) + " heads";
+  if (bf16) return encode_bf16(4, base, dims, strides, box, what, shape);
+  CUtensorMap map{};
+  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
+  const CUresult r = encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void*>(base), dims, strides, box,
+                               element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                               CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) fail_encode(what, r, shape, base);
+  return map;
+}
 
 CUtensorMap bf16_row_tile_map(const void* base, int64_t rows, int box_rows, const char* what) {
   const cuuint64_t dims[2] = {128, cuuint64_t(rows > 0 ? rows : 1)};

@@ -22,4 +22,12 @@ CUtensorMap bf16_row_tile_map(const void* base, int64_t rows, int box_rows, cons
 CUtensorMap bf16_head_tile_map(const void* base, int64_t tokens, int64_t heads, int64_t token_stride,
                                int64_t head_stride, int box_heads, const char* what);
 
+// Describes one side (K or V) of a paged cache [pages, heads, 128 tokens, row] with any
+// 16-byte-multiple byte strides (page_stride, head_stride, token_stride), copied a page of one
+// head at a time: boxes of 128 rows x `box_bytes` bytes. bf16 rows (row_bytes 256) go in two
+// boxes of 64 columns with the 128-byte swizzle of the shared-memory tiles (device.cuh), one
+// per column half; FP8 / NVFP4 codes (row_bytes 128 / 64) in one box of whole rows, unswizzled.
+CUtensorMap paged_cache_map(const void* base, int64_t pages, int64_t heads, int row_bytes, int64_t page_stride,
+                            int64_t head_stride, int64_t token_stride, const char* what);
+
 }  // namespace msa::cuda

@@ -5,20 +5,21 @@
 // ceil(Q / 2) above. The CTA builds the union of the (request, page) pairs its rows selected,
 // and split s takes the distinct pages s * U / S .. (s + 1) * U / S - 1 of that union of U:
 // every distinct page is streamed once per (tile, KV head) whatever the split count, and the
-// splits get equal shares of it. Pages arrive by cp.async into a ring of 2-4 stages (the next
-// pages are in flight while one is used); FP8 / NVFP4 codes are widened to exact bf16 values in
-// shared memory.
+// splits get equal shares of it. Pages arrive by TMA (one thread, one box per column half and
+// side, an mbarrier per stage) into a ring of 2-4 stages, so the next pages are in flight while
+// one is used; FP8 / NVFP4 codes are widened to exact bf16 values in shared memory (NVFP4's
+// block scales, 8 bytes a row, come by cp.async).
 //
-// The work of a page is spread over all 8 warps whatever rows selected it (at long contexts
+// The work of a page is spread over all 16 warps whatever rows selected it (at long contexts
 // most pages are selected by one row of a step): for each selecting row, warp w computes the
-// logits of tokens 16w .. 16w + 15 (S = Q K^T, m16n8k16 on tensor cores, the 16 heads of the
-// row are the m16 tile), the warps exchange their maxima, write the probabilities P as a bf16
-// tile, and warp w accumulates output dims 16w .. 16w + 15 of O += P V. The online-softmax max
-// of a (row, head) is shared (shared memory), the sums are per warp and added at the end.
-// Scales: per-tensor K scales (FP8, NVFP4 global) and the softmax scale multiply the logits,
-// per-token K scales each logit column, per-token V scales the probabilities fed to P V,
-// per-tensor V scales the output. Splits > 1 write normalised partial states that merge_states
-// combines by LSE; the plan picks the split count (src/core/decode_splits.h).
+// logits of tokens 8w .. 8w + 7 (S = Q K^T, m16n8k16 on tensor cores, the 16 heads of the row
+// are the m16 tile), the warps exchange their maxima, write the probabilities P as a bf16 tile,
+// and warp w accumulates output dims 8w .. 8w + 7 of O += P V. The online-softmax max of a
+// (row, head) is shared (shared memory), the sums are per warp and added at the end. Scales:
+// per-tensor K scales (FP8, NVFP4 global) and the softmax scale multiply the logits, per-token
+// K scales each logit column, per-token V scales the probabilities fed to P V, per-tensor V
+// scales the output. Splits > 1 write normalised partial states that merge_states combines by
+// LSE; the plan picks the split count (src/core/decode_splits.h).
 #include <algorithm>
 #include <cstddef>
 #include <mutex>
@@ -30,6 +31,7 @@
 #include "core/decode_splits.h"
 #include "cuda/device.cuh"
 #include "cuda/inference/quant.cuh"
+#include "cuda/tensor_map.h"
 
 namespace msa::cuda {
 
@@ -41,9 +43,9 @@ using model::kHeadDim;
 using model::kPageSize;
 using model::kTopk;
 
-constexpr int kWarps = 8;                           // a CTA's warps: token slices of S, dim slices of O
+constexpr int kWarps = 16;                          // a CTA's warps: token slices of S, dim slices of O
 constexpr int kThreads = kWarps * 32;
-constexpr int kSlice = kPageSize / kWarps;          // tokens of a page (and dims of O) per warp: 16
+constexpr int kSlice = kPageSize / kWarps;          // tokens of a page (and dims of O) per warp: 8
 constexpr int kMaxTileRows = detail::kDecodeTileRows;  // query rows of a CTA
 constexpr int kMaxEntries = kMaxTileRows * kTopk;   // (row, slot) selections of a CTA
 constexpr int kChunk = 16;                          // bytes of one cp.async / ld.shared.v4
@@ -53,8 +55,8 @@ constexpr int kBf16RowChunks = kHeadDim * 2 / kChunk;      // 16-byte chunks of 
 constexpr int kFp8RowChunks = kHeadDim / kChunk;           // ... of an E4M3 row
 constexpr int kFp4RowChunks = kNvfp4RowBytes / kChunk;     // ... of an NVFP4 row (two codes a byte)
 constexpr int kSharedLimit = 227 * 1024;
-static_assert(kSlice == 16, "a warp's token slice is one n16 pair of S, its dim slice one of O");
-static_assert(2 * kPageSize == kThreads, "one thread per (side, token) of a page's per-token scales");
+static_assert(kSlice == 8, "a warp's token slice is one n8 tile of S, its dim slice one of O");
+static_assert(2 * kPageSize <= kThreads, "one thread per (side, token) of a page's per-token scales");
 static_assert(kMaxEntries <= kThreads, "one thread per selection of the tile");
 
 // A [Rows, 128] bf16 tile in the swizzled layout of tile_offset (device.cuh).
@@ -70,11 +72,7 @@ constexpr int kHeadTileBytes = int(sizeof(HeadTile));
 struct AttnArgs {
   const __nv_bfloat16* q;
   int64_t q_s0, q_s1;                 // elements
-  const uint8_t* k;
-  const uint8_t* v;
-  int64_t k_s0, k_s1, k_s2;           // bytes
-  int64_t v_s0, v_s1, v_s2;
-  const uint8_t* ksf;
+  const uint8_t* ksf;                 // NVFP4 block scales
   const uint8_t* vsf;
   int64_t ksf_s0, ksf_s1, ksf_s2;     // bytes
   int64_t vsf_s0, vsf_s1, vsf_s2;
@@ -103,20 +101,19 @@ struct AttnArgs {
 __device__ __forceinline__ int64_t min64(int64_t x, int64_t y) { return x < y ? x : y; }
 
 // One page of the cache (K and V of one KV head) as it arrives from global memory: side 0 = K,
-// side 1 = V. bf16 rows land directly in the swizzled tiles the MMAs read; FP8 / NVFP4 codes
-// land row-major and are widened into PageTiles afterwards.
+// side 1 = V. bf16 rows land directly in the swizzled tiles the MMAs read (two TMA boxes a
+// side, one per column half); FP8 / NVFP4 codes land row-major (one box a side) and are
+// widened into PageTiles afterwards.
 template <KvFormat F>
 struct KvStage;
 template <>
 struct KvStage<KvFormat::bf16> {
+  static constexpr int kBoxes = 2, kBoxBytes = kPageSize * 128;  // per side
   PageTile side[2];
-  // Byte offset of 16-byte chunk c of row t of a side.
-  static __device__ __forceinline__ uint32_t chunk(int side, int t, int c) {
-    return side * kPageTileBytes + tile_offset(kPageSize, t, c);
-  }
 };
 template <>
 struct KvStage<KvFormat::fp8_e4m3> {
+  static constexpr int kBoxes = 1, kBoxBytes = kPageSize * kHeadDim;
   uint8_t codes[2][kPageSize][kHeadDim];
   static __device__ __forceinline__ uint32_t chunk(int side, int t, int c) {
     return side * (kPageSize * kHeadDim) + t * kHeadDim + c * kChunk;
@@ -124,6 +121,7 @@ struct KvStage<KvFormat::fp8_e4m3> {
 };
 template <>
 struct KvStage<KvFormat::nvfp4> {
+  static constexpr int kBoxes = 1, kBoxBytes = kPageSize * kNvfp4RowBytes;
   uint8_t codes[2][kPageSize][kNvfp4RowBytes];
   uint8_t block_scales[2][kPageSize][kNvfp4RowScales];  // one 8-byte copy a row
   static __device__ __forceinline__ uint32_t chunk(int side, int t, int c) {
@@ -134,10 +132,13 @@ struct KvStage<KvFormat::nvfp4> {
   }
 };
 static_assert(kNvfp4RowScales == 8, "an NVFP4 row's block scales are one 8-byte copy");
+template <KvFormat F>
+inline constexpr uint32_t kStageTmaBytes = 2 * KvStage<F>::kBoxes * KvStage<F>::kBoxBytes;
 
 // The distinct pages of the CTA's split and, per tile row, the softmax bookkeeping the warps
 // share. Entry e = (tile row e / 16, slot e % 16).
 struct PageSet {
+  uint64_t full[4];                    // per stage: the page's TMA bytes have landed
   int2 entry_key[kMaxEntries];         // (request, logical page); (-1, -1): selects nothing
   int32_t entry_tokens[kMaxEntries];   // keys of the page the entry's row sees
   int32_t warp_firsts[kWarps];         // first appearances per warp of entries
@@ -147,8 +148,8 @@ struct PageSet {
   uint32_t page_rows[kMaxEntries];     // bit i: tile row i selected the page
   int32_t row_position[kMaxTileRows];  // of the tile's rows (-1: none)
   float token_scale[2][2][kPageSize];  // [page parity][K, V] per-token scales (zero past the tokens read)
-  float row_max[2][kMaxTileRows][kGroupSize];         // [page parity] running max of a (row, head), log2 units
-  float part[kMaxTileRows][kWarps][kGroupSize];       // per-warp maxima of a page, then per-warp sums
+  float row_max[2][kMaxTileRows][kGroupSize];          // [page parity] running max of a (row, head), log2 units
+  float part[kMaxTileRows][kGroupSize][kWarps];        // per-warp maxima of a page, then per-warp sums
 };
 
 struct WidenedPage {
@@ -185,6 +186,7 @@ constexpr int smem_bytes() {
   static_assert(sizeof(KvStage<F>) % 1024 == 0 && offsetof(S, converted) % 1024 == 0 && offsetof(S, q) % 1024 == 0 &&
                     offsetof(S, p) % 1024 == 0,
                 "paged_attention_kernel: swizzled tiles must be 1024-byte aligned");
+  static_assert(S::kStages <= 4, "PageSet::full holds 4 stages");
   return 1024 + int(sizeof(S));
 }
 
@@ -197,29 +199,44 @@ __device__ __forceinline__ uint2 ld_shared_v2(uint32_t addr) {
   return v;
 }
 
-// Issues the copies of one page (both sides) into a stage; rows t >= nmax are zero-filled, so
-// no slot past the tile's causal limit (or past seq_len) is ever read.
+// B fragments of one n-tile (rows n0.. of a tile that stores B transposed, e.g. K) over two
+// k16 steps k0, k0 + 16: b[0], b[1] for the first, b[2], b[3] for the second.
+__device__ __forceinline__ void load_b_nk_2k(uint32_t (&b)[4], uint32_t tile, int rows, int n0, int k0, int lane) {
+  ldmatrix_x4(b, tile + tile_offset(rows, n0 + (lane & 7), (k0 >> 3) + (lane >> 3)));
+}
+// B fragments of one n-tile (columns n0.. of a tile that stores B as rows = k, e.g. V) over
+// two k16 steps k0, k0 + 16, same order.
+__device__ __forceinline__ void load_b_kn_2k(uint32_t (&b)[4], uint32_t tile, int rows, int k0, int n0, int lane) {
+  ldmatrix_x4_trans(b, tile + tile_offset(rows, k0 + (lane & 7) + 8 * (lane >> 3), n0 >> 3));
+}
+
+// The copies of one page (both sides) into a stage: TMA boxes of the K and V maps by thread 0,
+// signalling the stage's barrier; NVFP4 block scales by cp.async from threads (side, token),
+// zero past the tokens read.
 template <KvFormat F>
-__device__ __forceinline__ void issue_page(const AttnArgs& a, uint32_t stage, int32_t phys, int g, int nmax) {
+__device__ __forceinline__ void issue_page(const AttnArgs& a, const CUtensorMap* k_map, const CUtensorMap* v_map,
+                                           uint32_t stage, uint32_t full, int32_t phys, int g, int nmax) {
   using Stage = KvStage<F>;
-  constexpr int kRowChunks = F == KvFormat::bf16 ? kBf16RowChunks : F == KvFormat::fp8_e4m3 ? kFp8RowChunks : kFp4RowChunks;
   const int tid = threadIdx.x;
-  const uint8_t* kp = a.k + phys * a.k_s0 + g * a.k_s1;
-  const uint8_t* vp = a.v + phys * a.v_s0 + g * a.v_s1;
-#pragma unroll 4
-  for (int i = tid; i < 2 * kPageSize * kRowChunks; i += kThreads) {
-    const int side = i / (kPageSize * kRowChunks), t = (i / kRowChunks) % kPageSize, c = i % kRowChunks;
-    const bool ok = t < nmax;
-    const uint8_t* src = side ? vp + t * a.v_s2 : kp + t * a.k_s2;
-    cp_async16(stage + Stage::chunk(side, t, c), ok ? src + c * kChunk : kp, ok ? kChunk : 0);
+  if (tid == 0) {
+    const uint64_t policy = l2_evict_first();
+    mbar_arrive_expect_tx(full, kStageTmaBytes<F>);
+#pragma unroll
+    for (int side = 0; side < 2; ++side)
+#pragma unroll
+      for (int box = 0; box < Stage::kBoxes; ++box)
+        tma_load_4d(stage + uint32_t((side * Stage::kBoxes + box) * Stage::kBoxBytes), side ? v_map : k_map, box * 64, 0, g,
+                    phys, full, policy);
   }
   if constexpr (F == KvFormat::nvfp4) {
-    const uint8_t* ks = a.ksf + phys * a.ksf_s0 + g * a.ksf_s1;
-    const uint8_t* vs = a.vsf + phys * a.vsf_s0 + g * a.vsf_s1;
-    const int side = tid / kPageSize, t = tid % kPageSize;  // one row's scales per thread
-    const bool ok = t < nmax;
-    const uint8_t* src = side ? vs + t * a.vsf_s2 : ks + t * a.ksf_s2;
-    cp_async8(stage + Stage::scales(side, t), ok ? src : ks, ok ? kNvfp4RowScales : 0);
+    if (tid < 2 * kPageSize) {
+      const int side = tid / kPageSize, t = tid % kPageSize;
+      const bool ok = t < nmax;
+      const uint8_t* ks = a.ksf + phys * a.ksf_s0 + g * a.ksf_s1;
+      const uint8_t* vs = a.vsf + phys * a.vsf_s0 + g * a.vsf_s1;
+      const uint8_t* src = side ? vs + t * a.vsf_s2 : ks + t * a.ksf_s2;
+      cp_async8(stage + Stage::scales(side, t), ok ? src : ks, ok ? kNvfp4RowScales : 0);
+    }
   }
 }
 
@@ -325,7 +342,9 @@ __device__ __forceinline__ int collect_pages(const AttnArgs& a, PageSet& ctl, in
 }
 
 template <int R, KvFormat F>
-__global__ void __launch_bounds__(kThreads, 1) paged_attention_kernel(const AttnArgs a) {
+__global__ void __launch_bounds__(kThreads, 1)
+    paged_attention_kernel(const AttnArgs a, const __grid_constant__ CUtensorMap k_map,
+                           const __grid_constant__ CUtensorMap v_map) {
   using Storage = SharedStorage<R, F>;
   constexpr int kStages = Storage::kStages;
   extern __shared__ uint8_t smem_raw[];
@@ -336,7 +355,9 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_kernel(const Attn
   const uint32_t converted = base + uint32_t(offsetof(Storage, converted));
   const uint32_t q_tiles = base + uint32_t(offsetof(Storage, q));
   const uint32_t p_tiles = base + uint32_t(offsetof(Storage, p));
+  const uint32_t full0 = smem_addr(&ctl.full[0]);
   auto stage_at = [&](int u) { return stage0 + uint32_t((u % kStages) * int(sizeof(KvStage<F>))); };
+  auto full_at = [&](int u) { return full0 + uint32_t((u % kStages) * 8); };
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int quad = lane & 3, gr = lane >> 2;
@@ -345,6 +366,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_kernel(const Attn
   const int g = blockIdx.y, split = blockIdx.z;
 
   // 1. The split's distinct pages.
+  if (tid < kStages) mbar_init(full0 + 8 * tid, 1);
   if (tid < R * kGroupSize) ctl.row_max[0][tid / kGroupSize][tid % kGroupSize] = -INFINITY;
   if (tid < R) ctl.row_position[tid] = tid < nrows ? a.positions[r0 + tid] : -1;
   const int pages = collect_pages(a, ctl, r0, nrows, g, split);
@@ -356,7 +378,7 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_kernel(const Attn
     cp_async16(q_tiles + row * kHeadTileBytes + tile_offset(kGroupSize, h, c), src, kChunk);
   }
   cp_async_commit();
-  __syncthreads();  // the page set is complete
+  __syncthreads();  // the page set and the barriers are complete
 
   // 3. Pages.
   const float k_tensor = a.k_tensor_scale ? *a.k_tensor_scale : 1.0f;
@@ -366,33 +388,33 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_kernel(const Attn
 
   // Per-token scales of page u: thread (side, token) loads one, a page ahead of its use.
   const int scale_side = tid / kPageSize, scale_token = tid % kPageSize;
+  const bool scale_thread = per_token && tid < 2 * kPageSize;
   auto load_token_scale = [&](int u) {
-    if (!per_token || u >= pages || scale_token >= ctl.page_tokens[u]) return 0.0f;
+    if (!scale_thread || u >= pages || scale_token >= ctl.page_tokens[u]) return 0.0f;
     const int64_t slot = int64_t(ctl.page_physical[u]) * kPageSize + scale_token;
     return scale_side ? a.v_token_scale[g * a.v_token_stride + slot] : a.k_token_scale[g * a.k_token_stride + slot];
   };
-  if (per_token) ctl.token_scale[0][scale_side][scale_token] = load_token_scale(0);
+  if (scale_thread) ctl.token_scale[0][scale_side][scale_token] = load_token_scale(0);
 
-  float o[R][2][4];  // rows' outputs: heads gr / gr + 8, dims 16 warp + 8 n + 2 quad (+1)
-  float l[R][2];     // rows' sums of 2^(x - m) over this warp's tokens, heads gr / gr + 8
+  float o[R][4];  // rows' outputs: heads gr / gr + 8, dims 8 warp + 2 quad (+1)
+  float l[R][2];  // rows' sums of 2^(x - m) over this warp's tokens, heads gr / gr + 8
 #pragma unroll
-  for (int i = 0; i < R; ++i) {
-    l[i][0] = l[i][1] = 0.0f;
-#pragma unroll
-    for (int n = 0; n < 2; ++n) o[i][n][0] = o[i][n][1] = o[i][n][2] = o[i][n][3] = 0.0f;
-  }
+  for (int i = 0; i < R; ++i) l[i][0] = l[i][1] = o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
 
+  auto issue = [&](int u) {
+    issue_page<F>(a, &k_map, &v_map, stage_at(u), full_at(u), ctl.page_physical[u], g, ctl.page_tokens[u]);
+  };
 #pragma unroll
   for (int j = 0; j < kStages - 1; ++j) {
-    if (j < pages) issue_page<F>(a, stage_at(j), ctl.page_physical[j], g, ctl.page_tokens[j]);
+    if (j < pages) issue(j);
     cp_async_commit();
   }
   for (int u = 0; u < pages; ++u) {
-    if (u + kStages - 1 < pages)
-      issue_page<F>(a, stage_at(u + kStages - 1), ctl.page_physical[u + kStages - 1], g, ctl.page_tokens[u + kStages - 1]);
+    if (u + kStages - 1 < pages) issue(u + kStages - 1);  // into the stage the previous page freed
     cp_async_commit();
     const float next_scale = load_token_scale(u + 1);
-    cp_async_wait<kStages - 1>();
+    cp_async_wait<kStages - 1>();  // the query tiles; NVFP4: page u's block scales
+    mbar_wait(full_at(u), (u / kStages) & 1);
     __syncthreads();
     const uint32_t stage = stage_at(u);
     if constexpr (F != KvFormat::bf16) {
@@ -405,56 +427,42 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_kernel(const Attn
     const int32_t logical = ctl.page_logical[u];
     const float* k_scale = ctl.token_scale[u & 1][0];
     const float* v_scale = ctl.token_scale[u & 1][1];
-
-    // 3a. Logits of this warp's 16 tokens for each selecting row, and their maxima per head.
-    // With up to 4 rows the warp's K fragments are loaded once and serve every row; with 8 the
-    // registers go to the rows' states and each row reloads them.
-    constexpr bool kHoldKeys = R <= 4;
-    uint32_t kb[kHoldKeys ? kKeySteps : 1][4];
-    if constexpr (kHoldKeys)
-#pragma unroll
-      for (int kk = 0; kk < kKeySteps; ++kk) load_b_nk(kb[kk], k_tile, kPageSize, warp * kSlice, kk * 16, lane);
     auto row_limit = [&](int i) {  // keys of the page row i sees
       return int(min64(kPageSize, int64_t(ctl.row_position[i]) - int64_t(logical) * kPageSize + 1));
     };
-    float s[R][2][4];
+
+    // 3a. Logits of this warp's 8 tokens for each selecting row, and their maxima per head.
+    uint32_t kb[kKeySteps / 2][4];
+#pragma unroll
+    for (int j = 0; j < kKeySteps / 2; ++j) load_b_nk_2k(kb[j], k_tile, kPageSize, warp * kSlice, j * 32, lane);
+    float s[R][4];
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       if (!((selected >> i) & 1u)) continue;
       const int n_row = row_limit(i);
-#pragma unroll
-      for (int n = 0; n < 2; ++n) s[i][n][0] = s[i][n][1] = s[i][n][2] = s[i][n][3] = 0.0f;
+      s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.0f;
 #pragma unroll
       for (int kk = 0; kk < kKeySteps; ++kk) {
         uint32_t qa[4];
         load_a(qa, q_tiles + i * kHeadTileBytes, kGroupSize, 0, kk * 16, lane);
-        if constexpr (kHoldKeys) {
-          mma_bf16(s[i][0], qa, kb[kk][0], kb[kk][1]);
-          mma_bf16(s[i][1], qa, kb[kk][2], kb[kk][3]);
-        } else {
-          load_b_nk(kb[0], k_tile, kPageSize, warp * kSlice, kk * 16, lane);
-          mma_bf16(s[i][0], qa, kb[0][0], kb[0][1]);
-          mma_bf16(s[i][1], qa, kb[0][2], kb[0][3]);
-        }
+        mma_bf16(s[i], qa, kb[kk / 2][2 * (kk % 2)], kb[kk / 2][2 * (kk % 2) + 1]);
       }
       float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
-      for (int n = 0; n < 2; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int t = warp * kSlice + n * 8 + 2 * quad + (e & 1);
-          float x = s[i][n][e] * qk_scale;
-          if (per_token) x *= k_scale[t];
-          if (t >= n_row) x = -INFINITY;
-          s[i][n][e] = x;
-          if (e < 2) mx0 = fmaxf(mx0, x);
-          else mx1 = fmaxf(mx1, x);
-        }
+      for (int e = 0; e < 4; ++e) {
+        const int t = warp * kSlice + 2 * quad + (e & 1);
+        float x = s[i][e] * qk_scale;
+        if (per_token) x *= k_scale[t];
+        if (t >= n_row) x = -INFINITY;
+        s[i][e] = x;
+        if (e < 2) mx0 = fmaxf(mx0, x);
+        else mx1 = fmaxf(mx1, x);
+      }
       mx0 = warp_max4(mx0);
       mx1 = warp_max4(mx1);
       if (quad == 0) {
-        ctl.part[i][warp][gr] = mx0;
-        ctl.part[i][warp][gr + 8] = mx1;
+        ctl.part[i][gr][warp] = mx0;
+        ctl.part[i][gr + 8][warp] = mx1;
       }
     }
     __syncthreads();
@@ -477,9 +485,11 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_kernel(const Attn
       const int n_row = row_limit(i);
       float mx0 = m0, mx1 = m1;
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) {
-        mx0 = fmaxf(mx0, ctl.part[i][w][gr]);
-        mx1 = fmaxf(mx1, ctl.part[i][w][gr + 8]);
+      for (int w = 0; w < kWarps; w += 4) {
+        const float4 p0 = *reinterpret_cast<const float4*>(&ctl.part[i][gr][w]);
+        const float4 p1 = *reinterpret_cast<const float4*>(&ctl.part[i][gr + 8][w]);
+        mx0 = fmaxf(fmaxf(mx0, fmaxf(p0.x, p0.y)), fmaxf(p0.z, p0.w));
+        mx1 = fmaxf(fmaxf(mx1, fmaxf(p1.x, p1.y)), fmaxf(p1.z, p1.w));
       }
       const float use0 = mx0 == -INFINITY ? 0.0f : mx0, use1 = mx1 == -INFINITY ? 0.0f : mx1;
       const float alpha0 = fast_exp2(m0 - use0), alpha1 = fast_exp2(m1 - use1);
@@ -489,40 +499,33 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_kernel(const Attn
       }
       l[i][0] *= alpha0;
       l[i][1] *= alpha1;
-      // Once the maxima settle, most pages leave every head's max as it was (alpha = 1,
-      // exactly): the warp then skips the 16 multiplications of its output fragments.
-      if (__any_sync(0xffffffffu, alpha0 != 1.0f || alpha1 != 1.0f))
+      o[i][0] *= alpha0;
+      o[i][1] *= alpha0;
+      o[i][2] *= alpha1;
+      o[i][3] *= alpha1;
+      float pv[4];
 #pragma unroll
-        for (int n = 0; n < 2; ++n) {
-          o[i][n][0] *= alpha0;
-          o[i][n][1] *= alpha0;
-          o[i][n][2] *= alpha1;
-          o[i][n][3] *= alpha1;
-        }
-      float pv[2][4];
-#pragma unroll
-      for (int n = 0; n < 2; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float pr = fast_exp2(s[i][n][e] - (e < 2 ? use0 : use1));
-          if (e < 2) l[i][0] += pr;
-          else l[i][1] += pr;
-          const int t = warp * kSlice + n * 8 + 2 * quad + (e & 1);
-          // Keys past the row's limit: p is 0, and so is what it feeds P V (a per-token V
-          // scale there may be another row's, or garbage: 0 * NaN would be NaN).
-          pv[n][e] = t >= n_row ? 0.0f : per_token ? pr * v_scale[t] : pr;
-        }
-      store_rows_x16(p_tiles + i * kHeadTileBytes, kGroupSize, 0, warp, lane, bf16x2_bits(pv[0][0], pv[0][1]),
-                     bf16x2_bits(pv[0][2], pv[0][3]), bf16x2_bits(pv[1][0], pv[1][1]), bf16x2_bits(pv[1][2], pv[1][3]));
+      for (int e = 0; e < 4; ++e) {
+        const float pr = fast_exp2(s[i][e] - (e < 2 ? use0 : use1));
+        if (e < 2) l[i][0] += pr;
+        else l[i][1] += pr;
+        const int t = warp * kSlice + 2 * quad + (e & 1);
+        // Keys past the row's limit: p is 0, and so is what it feeds P V (a per-token V
+        // scale there may be another row's, or garbage: 0 * NaN would be NaN).
+        pv[e] = t >= n_row ? 0.0f : per_token ? pr * v_scale[t] : pr;
+      }
+      const uint32_t p_tile = p_tiles + i * kHeadTileBytes;
+      st_shared_u32(p_tile + tile_offset(kGroupSize, gr, warp) + 4 * quad, bf16x2_bits(pv[0], pv[1]));
+      st_shared_u32(p_tile + tile_offset(kGroupSize, gr + 8, warp) + 4 * quad, bf16x2_bits(pv[2], pv[3]));
     }
     __syncthreads();
 
-    // 3c. O += P V over this warp's 16 dims. The V fragments of the page serve every row;
-    // a row reads only the 16-key steps below its limit, and in the step that crosses it the
+    // 3c. O += P V over this warp's 8 dims. The V fragments of the page serve every row; a
+    // row reads only the 16-key steps below its limit, and in the step that crosses it the
     // keys past the limit are zeroed in V (selection, not multiplication: they may hold NaN).
-    uint32_t vb[kTokenSteps][4];
+    uint32_t vb[kTokenSteps / 2][4];
 #pragma unroll
-    for (int c = 0; c < kTokenSteps; ++c) load_b_kn(vb[c], v_tile, kPageSize, c * 16, warp * kSlice, lane);
+    for (int j = 0; j < kTokenSteps / 2; ++j) load_b_kn_2k(vb[j], v_tile, kPageSize, j * 32, warp * kSlice, lane);
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       if (!((selected >> i) & 1u)) continue;
@@ -532,21 +535,16 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_kernel(const Attn
         if (c * 16 >= n_row) break;
         uint32_t pa[4];
         load_a(pa, p_tiles + i * kHeadTileBytes, kGroupSize, 0, c * 16, lane);
-        uint32_t b[4] = {vb[c][0], vb[c][1], vb[c][2], vb[c][3]};
+        uint32_t b0 = vb[c / 2][2 * (c % 2)], b1 = vb[c / 2][2 * (c % 2) + 1];
         if (c * 16 + 16 > n_row) {
           const int t0 = c * 16 + 2 * quad;
-          const uint32_t keep_lo = (t0 < n_row ? 0x0000ffffu : 0u) | (t0 + 1 < n_row ? 0xffff0000u : 0u);
-          const uint32_t keep_hi = (t0 + 8 < n_row ? 0x0000ffffu : 0u) | (t0 + 9 < n_row ? 0xffff0000u : 0u);
-          b[0] &= keep_lo;
-          b[1] &= keep_hi;
-          b[2] &= keep_lo;
-          b[3] &= keep_hi;
+          b0 &= (t0 < n_row ? 0x0000ffffu : 0u) | (t0 + 1 < n_row ? 0xffff0000u : 0u);
+          b1 &= (t0 + 8 < n_row ? 0x0000ffffu : 0u) | (t0 + 9 < n_row ? 0xffff0000u : 0u);
         }
-        mma_bf16(o[i][0], pa, b[0], b[1]);
-        mma_bf16(o[i][1], pa, b[2], b[3]);
+        mma_bf16(o[i], pa, b0, b1);
       }
     }
-    if (per_token) ctl.token_scale[(u + 1) & 1][scale_side][scale_token] = next_scale;
+    if (scale_thread) ctl.token_scale[(u + 1) & 1][scale_side][scale_token] = next_scale;
     __syncthreads();  // the stage may be refilled, P rewritten
   }
   cp_async_wait<0>();
@@ -556,8 +554,8 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_kernel(const Attn
   for (int i = 0; i < R; ++i) {
     const float l0 = warp_sum4(l[i][0]), l1 = warp_sum4(l[i][1]);
     if (quad == 0) {
-      ctl.part[i][warp][gr] = l0;
-      ctl.part[i][warp][gr + 8] = l1;
+      ctl.part[i][gr][warp] = l0;
+      ctl.part[i][gr + 8][warp] = l1;
     }
   }
   __syncthreads();
@@ -569,25 +567,22 @@ __global__ void __launch_bounds__(kThreads, 1) paged_attention_kernel(const Attn
       const int h = gr + 8 * half;
       SoftmaxState state{ctl.row_max[pages & 1][i][h], 0.0f};
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) state.d += ctl.part[i][w][h];
+      for (int w = 0; w < kWarps; ++w) state.d += ctl.part[i][h][w];
       const float inv = state.inverse_sum() * v_tensor;
       const int64_t rh = (r0 + i) * a.hq + g * kGroupSize + h;
       if (warp == 0 && quad == 0) {
         if (a.splits == 1) a.lse[rh] = state.lse();
         else a.part_lse[int64_t(split) * a.total_q * a.hq + rh] = state.lse();
       }
-#pragma unroll
-      for (int n = 0; n < 2; ++n) {
-        const int d = warp * kSlice + n * 8 + 2 * quad;
-        const float x0 = o[i][n][2 * half] * inv, x1 = o[i][n][2 * half + 1] * inv;
-        if (a.splits > 1) {
-          float* dst = a.part_out + (int64_t(split) * a.total_q * a.hq + rh) * kHeadDim + d;
-          *reinterpret_cast<float2*>(dst) = make_float2(x0, x1);
-        } else if (a.out_f32) {
-          *reinterpret_cast<float2*>(static_cast<float*>(a.out) + rh * kHeadDim + d) = make_float2(x0, x1);
-        } else {
-          *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(a.out) + rh * kHeadDim + d) = pack_bf16(x0, x1);
-        }
+      const int d = warp * kSlice + 2 * quad;
+      const float x0 = o[i][2 * half] * inv, x1 = o[i][2 * half + 1] * inv;
+      if (a.splits > 1) {
+        float* dst = a.part_out + (int64_t(split) * a.total_q * a.hq + rh) * kHeadDim + d;
+        *reinterpret_cast<float2*>(dst) = make_float2(x0, x1);
+      } else if (a.out_f32) {
+        *reinterpret_cast<float2*>(static_cast<float*>(a.out) + rh * kHeadDim + d) = make_float2(x0, x1);
+      } else {
+        *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(a.out) + rh * kHeadDim + d) = pack_bf16(x0, x1);
       }
     }
   }
@@ -605,9 +600,9 @@ void configure() {
 }
 
 template <int R, KvFormat F>
-void launch(const AttnArgs& a, dim3 grid, cudaStream_t stream) {
+void launch(const AttnArgs& a, const CUtensorMap& k_map, const CUtensorMap& v_map, dim3 grid, cudaStream_t stream) {
   configure<R, F>();
-  paged_attention_kernel<R, F><<<grid, kThreads, smem_bytes<R, F>(), stream>>>(a);
+  paged_attention_kernel<R, F><<<grid, kThreads, smem_bytes<R, F>(), stream>>>(a, k_map, v_map);
   MSA_CUDA_CHECK_LAUNCH("paged_attention_kernel");
 }
 
@@ -629,11 +624,12 @@ int min_ctas_per_sm() {
 int rows_instance(int rows) { return rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : 8; }
 
 template <int R>
-void launch_format(KvFormat f, const AttnArgs& a, dim3 grid, cudaStream_t stream) {
+void launch_format(KvFormat f, const AttnArgs& a, const CUtensorMap& k_map, const CUtensorMap& v_map, dim3 grid,
+                   cudaStream_t stream) {
   switch (f) {
-    case KvFormat::bf16: return launch<R, KvFormat::bf16>(a, grid, stream);
-    case KvFormat::fp8_e4m3: return launch<R, KvFormat::fp8_e4m3>(a, grid, stream);
-    case KvFormat::nvfp4: return launch<R, KvFormat::nvfp4>(a, grid, stream);
+    case KvFormat::bf16: return launch<R, KvFormat::bf16>(a, k_map, v_map, grid, stream);
+    case KvFormat::fp8_e4m3: return launch<R, KvFormat::fp8_e4m3>(a, k_map, v_map, grid, stream);
+    case KvFormat::nvfp4: return launch<R, KvFormat::nvfp4>(a, k_map, v_map, grid, stream);
   }
 }
 
@@ -655,14 +651,12 @@ void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, c
   a.q = p.q.as<const __nv_bfloat16>();
   a.q_s0 = p.q.stride[0];
   a.q_s1 = p.q.stride[1];
-  a.k = static_cast<const uint8_t*>(c.k.data);
-  a.v = static_cast<const uint8_t*>(c.v.data);
-  a.k_s0 = c.k.stride[0] * elem;
-  a.k_s1 = c.k.stride[1] * elem;
-  a.k_s2 = c.k.stride[2] * elem;
-  a.v_s0 = c.v.stride[0] * elem;
-  a.v_s1 = c.v.stride[1] * elem;
-  a.v_s2 = c.v.stride[2] * elem;
+  // One TMA map per side (strides are 16-byte multiples: checked with the rows' alignment).
+  const int row_bytes = c.format == KvFormat::bf16 ? kHeadDim * 2 : c.format == KvFormat::fp8_e4m3 ? kHeadDim : kNvfp4RowBytes;
+  const CUtensorMap k_map = paged_cache_map(c.k.data, c.k.shape[0], c.k.shape[1], row_bytes, c.k.stride[0] * elem,
+                                            c.k.stride[1] * elem, c.k.stride[2] * elem, "k_cache");
+  const CUtensorMap v_map = paged_cache_map(c.v.data, c.v.shape[0], c.v.shape[1], row_bytes, c.v.stride[0] * elem,
+                                            c.v.stride[1] * elem, c.v.stride[2] * elem, "v_cache");
   if (c.format == KvFormat::nvfp4) {
     a.ksf = static_cast<const uint8_t*>(c.k_block_scale.data);
     a.vsf = static_cast<const uint8_t*>(c.v_block_scale.data);
@@ -699,10 +693,10 @@ void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, c
   }
   const dim3 grid(unsigned(ceil_div(T, a.rows_per_tile)), unsigned(topo.num_kv_heads), unsigned(splits));
   switch (rows_instance(a.rows_per_tile)) {
-    case 1: launch_format<1>(c.format, a, grid, stream); break;
-    case 2: launch_format<2>(c.format, a, grid, stream); break;
-    case 4: launch_format<4>(c.format, a, grid, stream); break;
-    default: launch_format<8>(c.format, a, grid, stream); break;
+    case 1: launch_format<1>(c.format, a, k_map, v_map, grid, stream); break;
+    case 2: launch_format<2>(c.format, a, k_map, v_map, grid, stream); break;
+    case 4: launch_format<4>(c.format, a, k_map, v_map, grid, stream); break;
+    default: launch_format<8>(c.format, a, k_map, v_map, grid, stream); break;
   }
 
   if (splits > 1) {
