@@ -137,7 +137,7 @@ inline constexpr uint32_t kStageTmaBytes = 2 * KvStage<F>::kBoxes * KvStage<F>::
 
 // The distinct pages of the CTA's split and, per tile row, the softmax bookkeeping the warps
 // share. Entry e = (tile row e / 16, slot e % 16).
-struct PageSet {
+struct alignas(16) PageSet {
   uint64_t full[4];                    // per stage: the page's TMA bytes have landed
   int2 entry_key[kMaxEntries];         // (request, logical page); (-1, -1): selects nothing
   int32_t entry_tokens[kMaxEntries];   // keys of the page the entry's row sees
