@@ -21,6 +21,7 @@
 #include "core/check.h"
 #include "cuda/device.cuh"
 #include "cuda/inference/quant.cuh"
+#include "cuda/tensor_map.h"
 #include "cuda/wgmma.cuh"
 
 namespace msa::cuda {
@@ -268,6 +269,168 @@ __global__ void __launch_bounds__(Shape::kThreads) index_scores_kernel(const Sco
   }
 }
 
+// Decode scores over a bf16 index-K cache, streamed: CTA = (one request's Q rows, run of
+// logical pages). A producer warp brings the run's pages by TMA into a ring of kStreamStages
+// stages; kStreamConsumers warps take whole pages in turn (page n of the run: warp n % 4), each
+// multiplying all of the tile's (row, index head) vectors with its page and writing their page
+// maxima, and hand the stage back through its `empty` barrier. No CTA-wide barrier in the
+// loop: loads run as far ahead as the ring allows, whatever one warp's progress.
+constexpr int kStreamConsumers = 4;
+constexpr int kStreamThreads = 32 * (kStreamConsumers + 1);
+constexpr int kStreamStages = 6;
+
+template <int MTiles>
+struct StreamStorage {
+  Bf16Tile<kPageSize> stage[kStreamStages];
+  Bf16Tile<16 * MTiles> q;
+  uint64_t full[kStreamStages];   // the page's TMA bytes have landed
+  uint64_t empty[kStreamStages];  // its consumer warp is done with it
+};
+
+template <int MTiles, bool QFp8>
+__global__ void __launch_bounds__(kStreamThreads, 1)
+    decode_scores_kernel(const ScoreArgs a, const __grid_constant__ CUtensorMap k_map) {
+  constexpr int kVectors = 16 * MTiles;
+  using Storage = StreamStorage<MTiles>;
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t base = align1024(smem_addr(smem_raw));
+  Storage& smem = *reinterpret_cast<Storage*>(smem_raw + (base - smem_addr(smem_raw)));
+  const uint32_t stage0 = base + uint32_t(offsetof(Storage, stage));
+  const uint32_t q_tile = base + uint32_t(offsetof(Storage, q));
+  const uint32_t full0 = smem_addr(&smem.full[0]), empty0 = smem_addr(&smem.empty[0]);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+
+  // The tile is one request's rows (decode); its last row sees the most pages.
+  const int64_t tile_begin = a.row_begin + int64_t(blockIdx.x) * a.tile_rows;
+  const int64_t tile_end = min(tile_begin + a.tile_rows, a.row_end);
+  const int64_t page_begin = int64_t(blockIdx.y) * a.pages_per_cta;
+  const int64_t page_end = min(page_begin + a.pages_per_cta, scored_pages(a.positions[tile_end - 1], a.topk));
+  if (page_begin >= page_end) return;
+  const int count = int(page_end - page_begin);
+  const int nv = int(tile_end - tile_begin) * a.hi;
+  const int32_t* table = a.page_table + int64_t(a.request[tile_begin]) * a.max_pages;
+
+  if (threadIdx.x < kStreamStages) {
+    mbar_init(full0 + 8 * threadIdx.x, 1);
+    mbar_init(empty0 + 8 * threadIdx.x, 1);
+  }
+  for (int i = threadIdx.x; i < kVectors * kBf16RowChunks; i += kStreamThreads) {
+    const int vec = i / kBf16RowChunks, chunk = i % kBf16RowChunks;
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (vec < nv) load_q_chunk<QFp8>(a, tile_begin + vec / a.hi, vec % a.hi, chunk, val);
+    const uint32_t d = q_tile + tile_offset(kVectors, vec, chunk);
+    asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(d), "r"(val.x), "r"(val.y), "r"(val.z), "r"(val.w)
+                 : "memory");
+  }
+  __syncthreads();
+
+  if (warp == kStreamConsumers) {  // producer
+    if (lane == 0) {
+      const uint64_t policy = l2_evict_first();
+      for (int n = 0; n < count; ++n) {
+        const int s = n % kStreamStages;
+        if (n >= kStreamStages) mbar_wait(empty0 + 8 * s, (n / kStreamStages - 1) & 1);
+        const uint32_t full = full0 + 8 * s, dst = stage0 + uint32_t(s * int(sizeof(Bf16Tile<kPageSize>)));
+        mbar_arrive_expect_tx(full, uint32_t(sizeof(Bf16Tile<kPageSize>)));
+        const int32_t phys = table[page_begin + n];
+        tma_load_4d(dst, &k_map, 0, 0, 0, phys, full, policy);
+        tma_load_4d(dst + kPageSize * 128, &k_map, 64, 0, 0, phys, full, policy);
+      }
+    }
+    return;
+  }
+
+  const int gr = lane >> 2;
+  for (int n = warp; n < count; n += kStreamConsumers) {
+    const int s = n % kStreamStages;
+    const uint32_t k_tile = stage0 + uint32_t(s * int(sizeof(Bf16Tile<kPageSize>)));
+    mbar_wait(full0 + 8 * s, (n / kStreamStages) & 1);
+    float best[MTiles][2];
+    bool nan[MTiles][2];
+#pragma unroll
+    for (int mt = 0; mt < MTiles; ++mt) {
+      best[mt][0] = best[mt][1] = -INFINITY;
+      nan[mt][0] = nan[mt][1] = false;
+      if (mt * 16 >= nv) continue;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {  // 64 tokens at a time: 32 accumulators
+        float acc[8][4];
+#pragma unroll
+        for (int f = 0; f < 8; ++f) acc[f][0] = acc[f][1] = acc[f][2] = acc[f][3] = 0.0f;
+#pragma unroll
+        for (int kk = 0; kk < 8; ++kk) {
+          uint32_t qa[4];
+          load_a(qa, q_tile, kVectors, mt * 16, kk * 16, lane);
+#pragma unroll
+          for (int np = 0; np < 4; ++np) {
+            uint32_t kb[4];
+            load_b_nk(kb, k_tile, kPageSize, half * 64 + np * 16, kk * 16, lane);
+            mma_bf16(acc[2 * np], qa, kb[0], kb[1]);
+            mma_bf16(acc[2 * np + 1], qa, kb[2], kb[3]);
+          }
+        }
+#pragma unroll
+        for (int f = 0; f < 8; ++f) {
+          nan[mt][0] |= isnan(acc[f][0]) || isnan(acc[f][1]);
+          nan[mt][1] |= isnan(acc[f][2]) || isnan(acc[f][3]);
+          best[mt][0] = fmaxf(best[mt][0], fmaxf(acc[f][0], acc[f][1]));
+          best[mt][1] = fmaxf(best[mt][1], fmaxf(acc[f][2], acc[f][3]));
+        }
+      }
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty0 + 8 * s);  // the page's products are done
+#pragma unroll
+    for (int mt = 0; mt < MTiles; ++mt) {
+      if (mt * 16 >= nv) continue;
+      // A page score is NaN when any of its token scores is (fmaxf alone would skip it).
+      const float b0 = warp_max4(best[mt][0]), b1 = warp_max4(best[mt][1]);
+      int flags = (nan[mt][0] ? 1 : 0) | (nan[mt][1] ? 2 : 0);
+      flags |= __shfl_xor_sync(0xffffffffu, flags, 1);
+      flags |= __shfl_xor_sync(0xffffffffu, flags, 2);
+      if ((lane & 3) == 0) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int vec = mt * 16 + gr + 8 * h;
+          if (vec >= nv) continue;
+          const int64_t row = tile_begin + vec / a.hi;
+          a.scores[((row - a.row_begin) * a.hi + vec % a.hi) * a.score_stride + page_begin + n] =
+              (flags & (1 << h)) ? NAN : (h ? b1 : b0);
+        }
+      }
+    }
+  }
+}
+
+template <int MTiles, bool QFp8>
+void launch_stream_scores(const ScoreArgs& args, const CUtensorMap& k_map, int64_t tiles, int64_t history,
+                          cudaStream_t stream) {
+  constexpr int smem = 1024 + int(sizeof(StreamStorage<MTiles>));
+  static_assert(smem <= 227 * 1024, "shared memory of decode_scores_kernel");
+  auto* kernel = decode_scores_kernel<MTiles, QFp8>;
+  static const int per_sm = [&] {
+    MSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    int n = 0;
+    MSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kStreamThreads, smem));
+    return std::max(n, 1);
+  }();
+  // As many runs a tile as keep every tile's runs in one wave (at least one run a tile).
+  ScoreArgs a = args;
+  const int64_t runs_per_tile = std::max<int64_t>(1, int64_t(sm_count()) * per_sm / tiles);
+  a.pages_per_cta = int(ceil_div(history, runs_per_tile));
+  const unsigned runs = unsigned(ceil_div(history, a.pages_per_cta));
+  kernel<<<dim3(unsigned(tiles), runs), kStreamThreads, smem, stream>>>(a, k_map);
+  MSA_CUDA_CHECK_LAUNCH("decode_scores_kernel");
+}
+
+template <bool QFp8>
+void launch_stream_scores_for(int vectors, const ScoreArgs& a, const CUtensorMap& k_map, int64_t tiles,
+                              int64_t history, cudaStream_t stream) {
+  if (vectors <= 16) launch_stream_scores<1, QFp8>(a, k_map, tiles, history, stream);
+  else if (vectors <= 32) launch_stream_scores<2, QFp8>(a, k_map, tiles, history, stream);
+  else launch_stream_scores<4, QFp8>(a, k_map, tiles, history, stream);
+}
+
 struct SelectArgs {
   const float* scores;
   int64_t score_stride;
@@ -428,6 +591,12 @@ void paged_indexer(const InferencePlan& plan, const PagedIndexerParams& p, const
   se.local_blocks = plan.topo.local_blocks;
   se.out = p.topk.as<int32_t>();
 
+  // The streamed decode kernel reads bf16 index-K pages by TMA (rows 16-byte aligned, strides
+  // 16-byte multiples: checked in src/core/inference.cpp).
+  CUtensorMap k_map{};
+  if (decode && !k_fp8)
+    k_map = paged_cache_map(p.index_k_cache.data, p.index_k_cache.shape[0], 1, kHeadDim * 2, p.index_k_cache.stride[0] * 2,
+                            p.index_k_cache.stride[0] * 2, p.index_k_cache.stride[1] * 2, "index_k_cache");
   const int64_t rows_per_chunk = chunk_rows / tile_rows * tile_rows;
   sa.tile_rows = int(tile_rows);
   const int64_t history = std::max<int64_t>(1, pages - 1);
@@ -437,7 +606,10 @@ void paged_indexer(const InferencePlan& plan, const PagedIndexerParams& p, const
     sa.row_end = se.row_end = r1;
     if (pages - 1 > plan.topo.topk - 1) {  // some row may rank history pages
       const int64_t tiles = ceil_div(r1 - r0, tile_rows);
-      if (decode) launch_scores_for<DecodeScores>(q_fp8, k_fp8, sa, tiles, history, stream);
+      if (decode && !k_fp8)
+        q_fp8 ? launch_stream_scores_for<true>(int(tile_rows) * hi, sa, k_map, tiles, history, stream)
+              : launch_stream_scores_for<false>(int(tile_rows) * hi, sa, k_map, tiles, history, stream);
+      else if (decode) launch_scores_for<DecodeScores>(q_fp8, k_fp8, sa, tiles, history, stream);
       else launch_scores_for<PrefillScores>(q_fp8, k_fp8, sa, tiles, history, stream);
     }
     const int64_t items = (r1 - r0) * hi;
