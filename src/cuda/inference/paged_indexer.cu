@@ -271,13 +271,17 @@ __global__ void __launch_bounds__(Shape::kThreads) index_scores_kernel(const Sco
 
 // Decode scores over a bf16 index-K cache, streamed: CTA = (one request's Q rows, run of
 // logical pages). A producer warp brings the run's pages by TMA into a ring of kStreamStages
-// stages; kStreamConsumers warps take whole pages in turn (page n of the run: warp n % 4), each
+// stages; kStreamConsumers warps take whole pages in turn (page n of the run: warp n % 3), each
 // multiplying all of the tile's (row, index head) vectors with its page and writing their page
 // maxima, and hand the stage back through its `empty` barrier. No CTA-wide barrier in the
-// loop: loads run as far ahead as the ring allows, whatever one warp's progress.
-constexpr int kStreamConsumers = 4;
+// loop: loads run as far ahead as the ring allows, whatever one warp's progress. The ring is a
+// whole number of stages per consumer, so a stage only ever serves one warp: a warp waiting for
+// a stage's next phase has consumed its previous one, and cannot mistake an older phase of the
+// same parity for it (a parity wait only tells the last two phases apart).
+constexpr int kStreamConsumers = 3;
 constexpr int kStreamThreads = 32 * (kStreamConsumers + 1);
-constexpr int kStreamStages = 6;
+constexpr int kStreamStages = 2 * kStreamConsumers;
+static_assert(kStreamStages % kStreamConsumers == 0, "each stage serves one consumer warp");
 
 template <int MTiles>
 struct StreamStorage {
