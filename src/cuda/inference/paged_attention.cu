@@ -55,6 +55,7 @@ constexpr int kBf16RowChunks = kHeadDim * 2 / kChunk;      // 16-byte chunks of 
 constexpr int kFp8RowChunks = kHeadDim / kChunk;           // ... of an E4M3 row
 constexpr int kFp4RowChunks = kNvfp4RowBytes / kChunk;     // ... of an NVFP4 row (two codes a byte)
 constexpr int kSharedLimit = 227 * 1024;
+constexpr int kPrefetchPages = 2;                   // pages past the ring's newest brought into L2
 static_assert(kSlice == 8, "a warp's token slice is one n8 tile of S, its dim slice one of O");
 static_assert(2 * kPageSize <= kThreads, "one thread per (side, token) of a page's per-token scales");
 static_assert(kMaxEntries <= kThreads, "one thread per selection of the tile");
@@ -401,8 +402,19 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
   for (int i = 0; i < R; ++i) l[i][0] = l[i][1] = o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
 
+  // Page u into its stage, and the kPrefetchPages pages after it into L2: the ring holds 2-4
+  // pages, too few bytes in flight per SM to cover the memory latency under load on its own.
   auto issue = [&](int u) {
     issue_page<F>(a, &k_map, &v_map, stage_at(u), full_at(u), ctl.page_physical[u], g, ctl.page_tokens[u]);
+    if (tid == 0) {
+      const int first = u == 0 ? 1 : u + kPrefetchPages, last = min(u + kPrefetchPages, pages - 1);
+      for (int j = first; j <= last; ++j)
+#pragma unroll
+        for (int side = 0; side < 2; ++side)
+#pragma unroll
+          for (int box = 0; box < KvStage<F>::kBoxes; ++box)
+            tma_prefetch_4d(side ? &v_map : &k_map, box * 64, 0, g, ctl.page_physical[j]);
+    }
   };
 #pragma unroll
   for (int j = 0; j < kStages - 1; ++j) {
