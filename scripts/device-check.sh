@@ -94,7 +94,7 @@ grep -E "^\[  FAILED  \]|Failure|error:" "$OUT/gpu_tests.log" | head -20 | tee -
 # Memory checker on small cases.
 if [ "${MSA_SANITIZE:-1}" != "0" ] && command -v compute-sanitizer > /dev/null; then
   timeout 240 compute-sanitizer --tool memcheck --error-exitcode 3 "$TESTS" \
-    --gtest_filter='GpuForward.TopologiesOutputTypesAndItemSizes:GpuBackward.TopologiesAndFloat32:GpuKl.TopologiesGradScaleAndBf16:GpuIndexer.TiesPreferLowerBlockIds:GpuPlan.InvalidSelectionIsFlaggedAndPoisonsOutputs:GpuMergeStates.*:GpuInference.StridedCombinedKvCache:GpuInference.PrefillStepGraphReplayWithNewContents:GpuInference.Nvfp4ToFp8Bitwise:GpuLayout.PackUnpackMatchCpuBitwise' \
+    --gtest_filter='GpuForward.TopologiesOutputTypesAndItemSizes:GpuBackward.TopologiesAndFloat32:GpuKl.TopologiesGradScaleAndBf16:GpuIndexer.TiesPreferLowerBlockIds:GpuPlan.InvalidSelectionIsFlaggedAndPoisonsOutputs:GpuMergeStates.*:GpuInference.StridedCombinedKvCache:GpuInference.DecodeAttentionMatchesCpuEveryFormat:GpuInference.DecodeGraphReplaysTheNextStepAfterUpdate:GpuInference.PrefillStepGraphReplayWithNewContents:GpuInference.Nvfp4ToFp8Bitwise:GpuLayout.PackUnpackMatchCpuBitwise' \
     > "$OUT/memcheck.log" 2>&1
   note "compute-sanitizer memcheck: rc $? ($(grep -m1 "ERROR SUMMARY" "$OUT/memcheck.log"))"
 fi

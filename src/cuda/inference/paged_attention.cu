@@ -157,11 +157,17 @@ struct WidenedPage {
   PageTile side[2];
 };
 struct NoTiles {};
+// NVFP4 values by (block scale code, E2M1 code): bf16 bits of E4M3(e2m1 * scale), the value the
+// format defines; built once per CTA, so widening a code is one shared-memory load.
+struct Nvfp4Table {
+  uint16_t value[256][16];
+};
 
 // Stages of the page ring for a format and tile size: as many (up to 4) as shared memory holds.
 template <int R, KvFormat F>
 constexpr int fixed_shared_bytes() {
-  return 1024 + (F == KvFormat::bf16 ? 0 : int(sizeof(WidenedPage))) + 2 * R * kHeadTileBytes + int(sizeof(PageSet));
+  return 1024 + (F == KvFormat::bf16 ? 0 : int(sizeof(WidenedPage))) + (F == KvFormat::nvfp4 ? int(sizeof(Nvfp4Table)) : 0) +
+         2 * R * kHeadTileBytes + int(sizeof(PageSet)) + 16;
 }
 template <int R, KvFormat F>
 constexpr int stage_count() {
@@ -178,6 +184,7 @@ struct SharedStorage {
   HeadTile q[R];  // queries of each row
   HeadTile p[R];  // probabilities of each row over the page in use
   std::conditional_t<F == KvFormat::bf16, NoTiles, WidenedPage> converted;  // K, V widened from a quantised stage
+  std::conditional_t<F == KvFormat::nvfp4, Nvfp4Table, NoTiles> nvfp4;
   PageSet set;
 };
 
@@ -241,9 +248,16 @@ __device__ __forceinline__ void issue_page(const AttnArgs& a, const CUtensorMap*
   }
 }
 
-// Widens a quantised stage into the bf16 K and V tiles (`tiles`: the converted PageTile pair).
+__device__ __forceinline__ uint32_t ld_shared_u16(uint32_t addr) {
+  uint16_t v;
+  asm volatile("ld.shared.u16 %0, [%1];\n" : "=h"(v) : "r"(addr) : "memory");
+  return v;
+}
+
+// Widens a quantised stage into the bf16 K and V tiles (`tiles`: the converted PageTile pair;
+// `table`: the Nvfp4Table for NVFP4 pages).
 template <KvFormat F>
-__device__ __forceinline__ void convert_page(uint32_t stage, uint32_t tiles) {
+__device__ __forceinline__ void convert_page(uint32_t stage, uint32_t tiles, uint32_t table) {
   using Stage = KvStage<F>;
   const int tid = threadIdx.x;
   if constexpr (F == KvFormat::fp8_e4m3) {
@@ -267,19 +281,17 @@ __device__ __forceinline__ void convert_page(uint32_t stage, uint32_t tiles) {
                 c = i % kFp4RowChunks;  // elements 32c .. 32c + 31: block scales 2c, 2c + 1
       const uint4 raw = ld_shared_v4(stage + Stage::chunk(side, t, c));
       const uint2 sf = ld_shared_v2(stage + Stage::scales(side, t));
-      const uint32_t scales = c < 2 ? sf.x : sf.y;
-      const float s0 = e4m3_to_f32(uint8_t(scales >> (16 * (c & 1)))), s1 = e4m3_to_f32(uint8_t(scales >> (16 * (c & 1) + 8)));
+      const uint32_t scales = (c < 2 ? sf.x : sf.y) >> (16 * (c & 1));  // codes of blocks 2c, 2c + 1
+      const uint32_t block[2] = {table + (scales & 0xffu) * 32u, table + ((scales >> 8) & 0xffu) * 32u};
       const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
       uint32_t o[16];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {  // word j: elements 32c + 8j .. + 7, block scale s0 for j < 2
-        const float s = j < 2 ? s0 : s1;
+      for (int j = 0; j < 4; ++j)  // word j: elements 32c + 8j .. + 7, block 2c for j < 2
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const uint32_t byte = (w[j] >> (8 * e)) & 0xffu;
-          o[4 * j + e] = bf16x2_bits(e4m3_to_f32(nvfp4_to_e4m3(byte & 0xfu, s)), e4m3_to_f32(nvfp4_to_e4m3(byte >> 4, s)));
+          o[4 * j + e] = ld_shared_u16(block[j / 2] + (byte & 0xfu) * 2) | (ld_shared_u16(block[j / 2] + (byte >> 4) * 2) << 16);
         }
-      }
       const uint32_t tile = tiles + side * kPageTileBytes;
 #pragma unroll
       for (int q = 0; q < 4; ++q)
@@ -357,6 +369,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t q_tiles = base + uint32_t(offsetof(Storage, q));
   const uint32_t p_tiles = base + uint32_t(offsetof(Storage, p));
   const uint32_t full0 = smem_addr(&ctl.full[0]);
+  const uint32_t table = base + uint32_t(offsetof(Storage, nvfp4));
   auto stage_at = [&](int u) { return stage0 + uint32_t((u % kStages) * int(sizeof(KvStage<F>))); };
   auto full_at = [&](int u) { return full0 + uint32_t((u % kStages) * 8); };
 
@@ -370,6 +383,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid < kStages) mbar_init(full0 + 8 * tid, 1);
   if (tid < R * kGroupSize) ctl.row_max[0][tid / kGroupSize][tid % kGroupSize] = -INFINITY;
   if (tid < R) ctl.row_position[tid] = tid < nrows ? a.positions[r0 + tid] : -1;
+  if constexpr (F == KvFormat::nvfp4)
+    for (int i = tid; i < 256 * 16; i += kThreads) {
+      const float value = e4m3_to_f32(nvfp4_to_e4m3(uint32_t(i % 16), e4m3_to_f32(uint8_t(i / 16))));
+      smem.nvfp4.value[i / 16][i % 16] = uint16_t(bf16x2_bits(value, 0.0f));
+    }
   const int pages = collect_pages(a, ctl, r0, nrows, g, split);
 
   // 2. Query tiles of the rows (16 heads x 128 each): the first cp.async group.
@@ -430,7 +448,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     __syncthreads();
     const uint32_t stage = stage_at(u);
     if constexpr (F != KvFormat::bf16) {
-      convert_page<F>(stage, converted);
+      convert_page<F>(stage, converted, table);
       __syncthreads();
     }
     const uint32_t k_tile = F == KvFormat::bf16 ? stage : converted;
