@@ -114,6 +114,20 @@ __device__ __forceinline__ void load_q_chunk(const ScoreArgs& a, int64_t row, in
   out = make_uint4(bf16x2_bits(v[0], v[1]), bf16x2_bits(v[2], v[3]), bf16x2_bits(v[4], v[5]), bf16x2_bits(v[6], v[7]));
 }
 
+// Writes the index-q vectors of rows first_row.. (vector v = row v / hi, head v % hi; nv of
+// them, zeros after) into a [kVectors, 128] bf16 tile; threads [0, NT) take part.
+template <int kVectors, int NT, bool QFp8>
+__device__ __forceinline__ void store_q_tile(const ScoreArgs& a, uint32_t q_tile, int64_t first_row, int nv) {
+  for (int i = threadIdx.x; i < kVectors * kBf16RowChunks; i += NT) {
+    const int vec = i / kBf16RowChunks, chunk = i % kBf16RowChunks;
+    uint4 val = make_uint4(0, 0, 0, 0);
+    if (vec < nv) load_q_chunk<QFp8>(a, first_row + vec / a.hi, vec % a.hi, chunk, val);
+    const uint32_t d = q_tile + tile_offset(kVectors, vec, chunk);
+    asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(d), "r"(val.x), "r"(val.y), "r"(val.z), "r"(val.w)
+                 : "memory");
+  }
+}
+
 // Register stage of one index-K page (NT threads): 16-byte chunks of the page's rows.
 template <bool KFp8, int NT>
 struct PageRegs {
@@ -188,14 +202,7 @@ __global__ void __launch_bounds__(Shape::kThreads) index_scores_kernel(const Sco
     if (page_begin < page_end) {
       const int nv = int(seg_end - seg) * a.hi;
       __syncthreads();  // the previous segment is done with the Q tile
-      for (int i = threadIdx.x; i < kVectors * kBf16RowChunks; i += NT) {
-        const int vec = i / kBf16RowChunks, chunk = i % kBf16RowChunks;
-        uint4 val = make_uint4(0, 0, 0, 0);
-        if (vec < nv) load_q_chunk<QFp8>(a, seg + vec / a.hi, vec % a.hi, chunk, val);
-        const uint32_t d = q_tile + tile_offset(kVectors, vec, chunk);
-        asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(d), "r"(val.x), "r"(val.y), "r"(val.z), "r"(val.w)
-                     : "memory");
-      }
+      store_q_tile<kVectors, NT, QFp8>(a, q_tile, seg, nv);
       const int32_t* table = a.page_table + int64_t(req) * a.max_pages;
       PageRegs<KFp8, NT> regs;
       fetch_page<KFp8, NT>(a, table[page_begin], regs);
@@ -318,14 +325,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     mbar_init(full0 + 8 * threadIdx.x, 1);
     mbar_init(empty0 + 8 * threadIdx.x, 1);
   }
-  for (int i = threadIdx.x; i < kVectors * kBf16RowChunks; i += kStreamThreads) {
-    const int vec = i / kBf16RowChunks, chunk = i % kBf16RowChunks;
-    uint4 val = make_uint4(0, 0, 0, 0);
-    if (vec < nv) load_q_chunk<QFp8>(a, tile_begin + vec / a.hi, vec % a.hi, chunk, val);
-    const uint32_t d = q_tile + tile_offset(kVectors, vec, chunk);
-    asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(d), "r"(val.x), "r"(val.y), "r"(val.z), "r"(val.w)
-                 : "memory");
-  }
+  store_q_tile<kVectors, kStreamThreads, QFp8>(a, q_tile, tile_begin, nv);
   __syncthreads();
 
   if (warp == kStreamConsumers) {  // producer
