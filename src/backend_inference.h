@@ -61,8 +61,8 @@ void insert_kv(const KvInsertParams&, const RunOptions&);
 void nvfp4_to_fp8(const Nvfp4ToFp8Params&, const RunOptions&);
 void paged_indexer(const InferencePlan&, const PagedIndexerParams&, const RunOptions&);
 void paged_attention(const InferencePlan&, const PagedAttentionParams&, const RunOptions&);
-// Decode attention CTAs (Q rows per request) that run at once on `device`: its SM count times
-// the CTAs of the kernel that fit on an SM (the fewest over the cache formats).
+// Decode attention CTAs (for Q rows per request) that run at once on `device`: its SM count
+// times the CTAs of the kernel that fit on an SM (the fewest over the cache formats).
 int64_t decode_attention_concurrency(int device, int q_len_per_req);
 // Paged prefill attention runs on the KV-outer forward (src/cuda/inference/paged_prefill.cu):
 // the state a prefill plan keeps for it (InferencePlan::backend), built from the step's
