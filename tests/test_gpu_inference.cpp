@@ -435,6 +435,17 @@ TEST(GpuInference, IndexerMatchesCpu) {
   expect_selection_matches_cpu(c, gpu_indexer(c, d, gpu_plan(c)), cpu_indexer(c));
 }
 
+// Runs of many pages per CTA: 12 requests of 24k tokens leave each of the decode score
+// kernel's CTAs 17 pages, almost three laps of its 6-stage ring (the step's small cases above
+// stay within one lap).
+TEST(GpuInference, IndexerLongRunsMatchCpu) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  const PagedCase c = make_decode_case(rng, kSmall, std::vector<int32_t>(12, 24000), 1);
+  DeviceCase d(c);
+  expect_selection_matches_cpu(c, gpu_indexer(c, d, gpu_plan(c)), cpu_indexer(c));
+}
+
 TEST(GpuInference, DecodeAttentionMatchesCpuEveryFormat) {
   MSA_REQUIRE_GPU();
   MSA_SEEDED_RNG(rng);
