@@ -3,6 +3,7 @@
 
 #include <omp.h>
 
+#include <array>
 #include <cstdint>
 #include <vector>
 
@@ -13,6 +14,17 @@ namespace msa::cpu {
 // Threads to use for one call.
 inline int thread_count(const RunOptions& opt) { return opt.num_threads > 0 ? opt.num_threads : omp_get_max_threads(); }
 
+// e4m3_to_float of every code (NaN for 0x7f / 0xff), built once: an FP8 row reads through it
+// instead of calling the conversion per element.
+inline const float* e4m3_values() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int c = 0; c < 256; ++c) t[size_t(c)] = e4m3_to_float(uint8_t(c));
+    return t;
+  }();
+  return table.data();
+}
+
 // Converts `n` consecutive elements starting at element offset `offset` of `t` to fp32.
 inline void load_row(const TensorView& t, int64_t offset, int n, float* dst) {
   if (t.dtype == DType::f32) {
@@ -21,6 +33,10 @@ inline void load_row(const TensorView& t, int64_t offset, int n, float* dst) {
   } else if (t.dtype == DType::bf16) {
     const uint16_t* s = t.as<const uint16_t>() + offset;
     for (int i = 0; i < n; ++i) dst[i] = bf16_to_float(s[i]);
+  } else if (t.dtype == DType::f8e4m3) {
+    const uint8_t* s = t.as<const uint8_t>() + offset;
+    const float* values = e4m3_values();
+    for (int i = 0; i < n; ++i) dst[i] = values[s[i]];
   } else {
     for (int i = 0; i < n; ++i) dst[i] = load_as_float(t.data, t.dtype, offset + i);
   }

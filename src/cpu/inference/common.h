@@ -117,7 +117,8 @@ class KvRowReader {
         const uint8_t* s = side_.data.as<const uint8_t>() + base;
         const float scale =
             side_.mode == KvScaleMode::per_head_token ? side_.token_scale_at(page, head, offset) : side_.tensor_scale;
-        for (int d = 0; d < kHeadDim; ++d) dst[d] = e4m3_to_float(s[d]) * scale;
+        const float* values = e4m3_values();
+        for (int d = 0; d < kHeadDim; ++d) dst[d] = values[s[d]] * scale;
         return;
       }
       case KvFormat::nvfp4: {
