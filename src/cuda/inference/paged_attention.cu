@@ -7,8 +7,9 @@
 // every distinct page is streamed once per (tile, KV head) whatever the split count, and the
 // splits get equal shares of it. Pages arrive by TMA (one thread, one box per column half and
 // side, an mbarrier per stage) into a ring of 2-4 stages, so the next pages are in flight while
-// one is used; FP8 / NVFP4 codes are widened to exact bf16 values in shared memory (NVFP4's
-// block scales, 8 bytes a row, come by cp.async).
+// one is used, and the two pages after them are prefetched into L2; FP8 / NVFP4 codes are
+// widened to exact bf16 values in shared memory (NVFP4 through a per-CTA table of its 256 x 16
+// (block scale, code) values; its block scales, 8 bytes a row, come by cp.async).
 //
 // The work of a page is spread over all 16 warps whatever rows selected it (at long contexts
 // most pages are selected by one row of a step): for each selecting row, warp w computes the
