@@ -349,14 +349,14 @@ bench_files)
 
 bench_decode)
   # The decode bench at tiny shapes on the CPU: one table row and one JSON record per (batch,
-  # context, Q, format); the copy-bandwidth shares are GPU only ('-' in the table, absent from
-  # the JSON).
+  # context, Q, format); the copy-bandwidth shares and the CUDA-graph step are GPU only ('-' in
+  # the table, absent from the JSON).
   expect 0 '' "$msa" bench --decode --backend cpu --tp 4 --batches 1 --contexts 512,2560 --queries 1,2 \
     --formats bf16,fp8 --reps 1 --json decode.json
-  header='^ *batch +context +Q +cache +splits +indexer +indexer GB/s +indexer % copy +attention +attention GB/s +attention % copy +step +step GB/s +step % copy$'
+  header='^ *batch +context +Q +cache +splits +indexer +indexer GB/s +indexer % copy +attention +attention GB/s +attention % copy +step +step GB/s +step % copy +graph step +graph % copy$'
   grep -qE "$header" stdout.txt || fail "the table header is not /$header/"
   t='[0-9.]+ (us|ms|s)'
-  row="^ *1 +(512|2560) +[12] +(bf16|fp8) +1 +$t +[0-9.]+ +- +$t +[0-9.]+ +- +$t +[0-9.]+ +-$"
+  row="^ *1 +(512|2560) +[12] +(bf16|fp8) +1 +$t +[0-9.]+ +- +$t +[0-9.]+ +- +$t +[0-9.]+ +- +- +-$"
   [[ $(grep -cE "$row" stdout.txt) == 8 ]] || fail "the table lacks its 8 rows /$row/"
   grep -qE '^ *1 +2560 +2 +fp8 ' stdout.txt || fail "no row for 2560 tokens, Q 2, fp8"
   grep -q '^wrote decode.json$' stdout.txt || fail "no 'wrote' line"
@@ -367,7 +367,7 @@ bench_decode)
   [[ $(grep -c '"cache":' decode.json) == 8 && $(grep -c '"gb_per_s":' decode.json) == 24 ]] ||
     fail "decode.json: 8 records of indexer, attention and step"
   grep -q '"queries_per_request": 2' decode.json && grep -q '"cache": "fp8"' decode.json || fail "decode.json lacks Q 2 / fp8"
-  for key in copy_bandwidth percent_of_copy device_name; do
+  for key in copy_bandwidth percent_of_copy device_name step_graph; do
     grep -q "\"$key\":" decode.json && fail "decode.json has the GPU-only \"$key\" on the CPU"
   done
   ls | grep -q '\.tmp$' && fail "a temporary file was left behind"

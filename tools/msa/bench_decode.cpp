@@ -121,6 +121,7 @@ struct DecodeRow {
   DecodeShape shape;
   int splits = 0;  // used by the plan
   Part indexer, attention, step;
+  Part graph_step;  // GPU: the step captured in a CUDA graph and replayed (no host launch costs)
 };
 
 DecodeRow bench_shape(const DecodeShape& pt, const Topology& topo, Device dev, const PagePool& pool, int splits,
@@ -177,6 +178,7 @@ DecodeRow bench_shape(const DecodeShape& pt, const Topology& topo, Device dev, c
   row.indexer.seconds = timer.median_seconds(warmup, repeats, [&] { paged_indexer(plan, ip, run); });
   row.attention.seconds = timer.median_seconds(warmup, repeats, [&] { paged_attention(plan, ap, run); });
   row.step.seconds = timer.median_seconds(warmup, repeats, [&] { paged_forward(plan, ip, fwd, run); });
+  if (gpu) row.graph_step.seconds = timer.graph_median_seconds(warmup, repeats, [&] { paged_forward(plan, ip, fwd, run); });
   timer.sync();
 
   // Bytes actually read / written (header of this file).
@@ -198,6 +200,7 @@ DecodeRow bench_shape(const DecodeShape& pt, const Topology& topo, Device dev, c
   row.attention.bytes = kv_tokens * kv_token_bytes(pt.format) + double(rows) * Hq * kDim * 2 * 2 +
                         double(rows) * Hq * 4 + double(Hkv) * rows * 16 * 4;
   row.step.bytes = row.indexer.bytes + row.attention.bytes;
+  row.graph_step.bytes = row.step.bytes;
   return row;
 }
 
@@ -222,6 +225,7 @@ std::string row_line(const DecodeRow& r, double copy_rate) {
     s << (p == &r.indexer ? " " : " | ") << name << " " << format_time(p->seconds) << " " << gbps_cell(*p) << " GB/s";
     if (copy_rate > 0) s << " (" << copy_cell(*p, copy_rate) << " % of copy)";
   }
+  if (r.graph_step.seconds > 0) s << " | step in a CUDA graph " << format_time(r.graph_step.seconds);
   return s.str();
 }
 
@@ -264,6 +268,8 @@ std::string json_text(const std::vector<DecodeRow>& rows, Device dev, const Topo
                             {"indexer", part_json(r.indexer, copy_rate)},
                             {"attention", part_json(r.attention, copy_rate)},
                             {"step", part_json(r.step, copy_rate)}});
+  if (dev.is_cuda())
+    for (size_t i = 0; i < rows.size(); ++i) j["results"][i]["step_graph"] = part_json(rows[i].graph_step, copy_rate);
   return j.dump(2) + '\n';
 }
 
@@ -311,17 +317,20 @@ int run_bench_decode(const BenchOptions& o) {
               << "written, median of " << kCopyRepeats << ")\n";
   std::cout << "\n";
   Table table({"batch", "context", "Q", "cache", "splits", "indexer", "indexer GB/s", "indexer % copy", "attention",
-               "attention GB/s", "attention % copy", "step", "step GB/s", "step % copy"});
-  table.align_right({true, true, true, false, true, true, true, true, true, true, true, true, true, true});
+               "attention GB/s", "attention % copy", "step", "step GB/s", "step % copy", "graph step", "graph % copy"});
+  table.align_right({true, true, true, false, true, true, true, true, true, true, true, true, true, true, true, true});
   for (const DecodeRow& r : rows)
     table.add_row({std::to_string(r.shape.batch), context_cell(r.shape.context), std::to_string(r.shape.queries),
                    format_label(r.shape.format), std::to_string(r.splits), format_time(r.indexer.seconds),
                    gbps_cell(r.indexer), copy_cell(r.indexer, copy_rate), format_time(r.attention.seconds),
                    gbps_cell(r.attention), copy_cell(r.attention, copy_rate), format_time(r.step.seconds),
-                   gbps_cell(r.step), copy_cell(r.step, copy_rate)});
+                   gbps_cell(r.step), copy_cell(r.step, copy_rate),
+                   r.graph_step.seconds > 0 ? format_time(r.graph_step.seconds) : "-", copy_cell(r.graph_step, copy_rate)});
   table.print(std::cout);
   std::cout << "\nTimes: medians, " << (gpu ? "CUDA events on one stream" : "wall clock")
-            << "; indexer and attention timed on their own, step = paged_forward (both).\n"
+            << "; indexer and attention timed on their own, step = paged_forward (both); graph step: the same step "
+               "captured once in a CUDA graph and replayed (the device's time without the host's launch costs; GPU "
+               "only).\n"
                "GB/s: bytes read and written / time, the bytes being\n"
                "  indexer    bf16 index-K of the history pages the rows rank (the context but the local page, once per "
                "request) + index_q + topk\n"

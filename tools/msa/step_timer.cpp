@@ -94,6 +94,41 @@ double StepTimer::median_seconds(int warmup, int repeats, const std::function<vo
   return median(times);
 }
 
+double StepTimer::graph_median_seconds(int warmup, int repeats, const std::function<void()>& work) {
+  if (!device_.is_cuda()) return -1;
+#if MSA_WITH_CUDA
+  const auto s = static_cast<cudaStream_t>(stream_);
+  sync();
+  cudaGraph_t graph = nullptr;
+  MSA_TOOL_CUDA(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  try {
+    work();
+  } catch (...) {
+    // Leave the stream usable: end (and drop) the capture before reporting the error.
+    if (cudaStreamEndCapture(s, &graph) == cudaSuccess && graph) cudaGraphDestroy(graph);
+    cudaGetLastError();
+    throw;
+  }
+  MSA_TOOL_CUDA(cudaStreamEndCapture(s, &graph));
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t made = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  check(made, "cudaGraphInstantiate(&exec, graph, 0)");
+  double seconds = 0;
+  try {
+    seconds = median_seconds(warmup, repeats, [&] { MSA_TOOL_CUDA(cudaGraphLaunch(exec, s)); });
+  } catch (...) {
+    cudaGraphExecDestroy(exec);
+    throw;
+  }
+  MSA_TOOL_CUDA(cudaGraphExecDestroy(exec));
+  return seconds;
+#else
+  (void)warmup, (void)repeats, (void)work;
+  no_cuda();
+#endif
+}
+
 double StepTimer::host_seconds(const std::function<void()>& work) const {
   sync();
   const auto start = std::chrono::steady_clock::now();

@@ -30,6 +30,11 @@ class StepTimer {
   // runs before every call with "warm-up" or "run i/n".
   double median_seconds(int warmup, int repeats, const std::function<void()>& work,
                         const std::function<void(const std::string&)>& before = {});
+  // CUDA: `work` captured once into a CUDA graph on stream(), then the median seconds of
+  // `repeats` graph launches after `warmup` (events around each launch): the device time of
+  // the work without the host's launch costs, as an engine replaying a captured step sees it.
+  // The work must only queue device work on stream(). -1 on the CPU.
+  double graph_median_seconds(int warmup, int repeats, const std::function<void()>& work);
   // Host clock from the call to the end of the device work it queued on stream().
   double host_seconds(const std::function<void()>& work) const;
 
