@@ -1,6 +1,7 @@
 """Chart of one or more `msa bench --decode --json` reports: for every decode shape (batch x
 context, queries per request Q, cache format) the share of the card's measured copy bandwidth
-that the indexer, the attention and the whole step reach (the report's percent_of_copy).
+that the indexer, the attention and the whole step reach (the report's percent_of_copy), and
+the step replayed as a CUDA graph where the report has it.
 
   python bench/plot_decode.py decode.json [more.json ...] --out decode.png [--title TEXT]
 
@@ -13,6 +14,8 @@ import os
 import sys
 
 PARTS = ("indexer", "attention", "step")
+GRAPH_PART = "step_graph"  # GPU reports: the step replayed as a CUDA graph
+LABELS = {"step_graph": "step (CUDA graph)"}
 
 
 def _context_label(tokens):
@@ -31,7 +34,10 @@ def read_rows(path):
         for r in report["results"]:
             label = (f"{r['batch']} x {_context_label(r['context'])}, Q {r['queries_per_request']}, "
                      f"{r['cache']}")
-            rows.append((label, {part: float(r[part]["percent_of_copy"]) for part in PARTS}))
+            parts = {part: float(r[part]["percent_of_copy"]) for part in PARTS}
+            if GRAPH_PART in r:
+                parts[GRAPH_PART] = float(r[GRAPH_PART]["percent_of_copy"])
+            rows.append((label, parts))
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise SystemExit(f"plot_decode.py: {path}: not a report of msa bench --decode --json ({e})") from None
     if not rows:
@@ -40,17 +46,19 @@ def read_rows(path):
 
 
 def draw(groups, out, title):
-    """groups: [(label, {part: percent})]; one row of three bars per group."""
+    """groups: [(label, {part: percent})]; one row of three bars per group (four when a report
+    has the CUDA-graph step; groups without it get no bar there)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    height = 0.8 / len(PARTS)
+    parts = PARTS + ((GRAPH_PART,) if any(GRAPH_PART in g[1] for g in groups) else ())
+    height = 0.8 / len(parts)
     fig, ax = plt.subplots(figsize=(8.0, max(3.0, 0.55 * len(groups) + 1.5)))
-    for i, part in enumerate(PARTS):
-        ys = [j + (i - (len(PARTS) - 1) / 2) * height for j in range(len(groups))]
-        ax.barh(ys, [g[1][part] for g in groups], height, label=part)
+    for i, part in enumerate(parts):
+        ys = [j + (i - (len(parts) - 1) / 2) * height for j in range(len(groups))]
+        ax.barh(ys, [g[1].get(part, 0.0) for g in groups], height, label=LABELS.get(part, part))
     ax.axvline(100.0, color="black", linewidth=0.8)
     ax.set_xlim(0, 105)
     ax.set_xlabel("% of the card's measured copy bandwidth (bytes the step must move / time)")

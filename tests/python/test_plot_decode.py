@@ -31,6 +31,15 @@ def test_rows_are_labelled_by_shape_and_keep_the_report_order(tmp_path):
     assert rows[1][1] == {"indexer": 56.0, "attention": 23.0, "step": 48.0}
 
 
+def test_the_cuda_graph_step_is_read_when_the_report_has_it(tmp_path):
+    path = report(tmp_path)
+    data = json.loads(path.read_text())
+    data["results"][0]["step_graph"] = part(30.0)
+    path.write_text(json.dumps(data))
+    rows = pd.read_rows(str(path))
+    assert rows[0][1]["step_graph"] == 30.0 and "step_graph" not in rows[1][1]
+
+
 def test_what_is_not_a_decode_report_is_refused_naming_the_file(tmp_path):
     with pytest.raises(SystemExit, match="not 'decode'"):
         pd.read_rows(str(report(tmp_path, bench="prefill")))
