@@ -102,6 +102,11 @@ struct AttnArgs {
 
 __device__ __forceinline__ int64_t min64(int64_t x, int64_t y) { return x < y ? x : y; }
 
+// Keys of logical page `page` that a row at position `pos` sees (<= 0: none).
+__device__ __forceinline__ int visible_keys(int32_t pos, int32_t page) {
+  return int(min64(kPageSize, int64_t(pos) - int64_t(page) * kPageSize + 1));
+}
+
 // One page of the cache (K and V of one KV head) as it arrives from global memory: side 0 = K,
 // side 1 = V. bf16 rows land directly in the swizzled tiles the MMAs read (two TMA boxes a
 // side, one per column half); FP8 / NVFP4 codes land row-major (one box a side) and are
@@ -314,7 +319,7 @@ __device__ __forceinline__ int collect_pages(const AttnArgs& a, PageSet& ctl, in
     const int32_t pos = a.positions[r];
     if (id >= 0 && pos >= 0 && int64_t(id) * kPageSize <= pos) {
       key = make_int2(a.request[r], id);
-      tokens = int(min64(kPageSize, int64_t(pos) - int64_t(id) * kPageSize + 1));
+      tokens = visible_keys(pos, id);
     }
     ctl.entry_key[tid] = key;
     ctl.entry_tokens[tid] = tokens;
@@ -459,7 +464,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     const float* k_scale = ctl.token_scale[u & 1][0];
     const float* v_scale = ctl.token_scale[u & 1][1];
     auto row_limit = [&](int i) {  // keys of the page row i sees
-      return int(min64(kPageSize, int64_t(ctl.row_position[i]) - int64_t(logical) * kPageSize + 1));
+      return visible_keys(ctl.row_position[i], logical);
     };
 
     // 3a. Logits of this warp's 8 tokens for each selecting row, and their maxima per head.
