@@ -27,23 +27,30 @@ PFN_cuTensorMapEncodeTiled_v12000 encoder() {
   return fn;
 }
 
-[[noreturn]] void fail_encode(const char* what, CUresult r, const std::string& shape, const void* base) {
-  std::ostringstream os;
-  os << "cuTensorMapEncodeTiled for " << what << " failed with error " << int(r) << " (" << shape << " at " << base << ")";
-  throw Error(ErrorKind::runtime, os.str());
-}
-
-// Encodes a bf16 map of rank `rank` (dims innermost first, byte strides of dims 1..) with the
-// 128-byte swizzle; `shape` describes it in the error the driver's refusal raises.
-CUtensorMap encode_bf16(int rank, const void* base, const cuuint64_t* dims, const cuuint64_t* strides,
-                        const cuuint32_t* box, const char* what, const std::string& shape) {
+// Encodes a map of rank `rank` (dims innermost first, byte strides of dims 1..) of 16-bit
+// (bf16) or 8-bit (codes) elements, with or without the 128-byte swizzle; `shape` describes it
+// in the error the driver's refusal raises.
+CUtensorMap encode(CUtensorMapDataType type, CUtensorMapSwizzle swizzle, int rank, const void* base,
+                   const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box, const char* what,
+                   const std::string& shape) {
   CUtensorMap map{};
   const cuuint32_t element_strides[4] = {1, 1, 1, 1};
-  const CUresult r = encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, cuuint32_t(rank), const_cast<void*>(base), dims,
-                               strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                               CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) fail_encode(what, r, shape, base);
+  const CUresult r = encoder()(&map, type, cuuint32_t(rank), const_cast<void*>(base), dims, strides, box, element_strides,
+                               CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+                               CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  if (r != CUDA_SUCCESS) {
+    std::ostringstream os;
+    os << "cuTensorMapEncodeTiled for " << what << " failed with error " << int(r) << " (" << shape << " at " << base
+       << ")";
+    throw Error(ErrorKind::runtime, os.str());
+  }
   return map;
+}
+
+// A bf16 map with the 128-byte swizzle of the shared-memory tiles.
+CUtensorMap encode_bf16(int rank, const void* base, const cuuint64_t* dims, const cuuint64_t* strides,
+                        const cuuint32_t* box, const char* what, const std::string& shape) {
+  return encode(CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, CU_TENSOR_MAP_SWIZZLE_128B, rank, base, dims, strides, box, what, shape);
 }
 
 }  // namespace
@@ -56,13 +63,7 @@ CUtensorMap paged_cache_map(const void* base, int64_t pages, int64_t heads, int 
   const cuuint32_t box[4] = {cuuint32_t(bf16 ? 64 : row_bytes), 128, 1, 1};
   const std::string shape = std::to_string(pages) + " pages x " + std::to_string(heads) + " heads";
   if (bf16) return encode_bf16(4, base, dims, strides, box, what, shape);
-  CUtensorMap map{};
-  const cuuint32_t element_strides[4] = {1, 1, 1, 1};
-  const CUresult r = encoder()(&map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 4, const_cast<void*>(base), dims, strides, box,
-                               element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
-                               CU_TENSOR_MAP_L2_PROMOTION_L2_128B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-  if (r != CUDA_SUCCESS) fail_encode(what, r, shape, base);
-  return map;
+  return encode(CU_TENSOR_MAP_DATA_TYPE_UINT8, CU_TENSOR_MAP_SWIZZLE_NONE, 4, base, dims, strides, box, what, shape);
 }
 
 CUtensorMap bf16_row_tile_map(const void* base, int64_t rows, int box_rows, const char* what) {
