@@ -276,6 +276,17 @@ __global__ void __launch_bounds__(Shape::kThreads) index_scores_kernel(const Sco
   }
 }
 
+// Lets `kernel` take `smem` bytes of dynamic shared memory and returns how many of its CTAs of
+// `threads` an SM holds (at least 1). CTAs per SM are a fact of the kernel and the
+// architecture: callers keep the result in a function-local static (found once, thread-safe).
+template <class Kernel>
+int configure_and_count(Kernel* kernel, int threads, int smem) {
+  MSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  int n = 0;
+  MSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem));
+  return std::max(n, 1);
+}
+
 // Decode scores over a bf16 index-K cache, streamed: CTA = (one request's Q rows, run of
 // logical pages). A producer warp brings the run's pages by TMA into a ring of kStreamStages
 // stages; kStreamConsumers warps take whole pages in turn (page n of the run: warp n % 3), each
@@ -412,12 +423,7 @@ void launch_stream_scores(const ScoreArgs& args, const CUtensorMap& k_map, int64
   constexpr int smem = 1024 + int(sizeof(StreamStorage<MTiles>));
   static_assert(smem <= 227 * 1024, "shared memory of decode_scores_kernel");
   auto* kernel = decode_scores_kernel<MTiles, QFp8>;
-  static const int per_sm = [&] {
-    MSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    int n = 0;
-    MSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kStreamThreads, smem));
-    return std::max(n, 1);
-  }();
+  static const int per_sm = configure_and_count(kernel, kStreamThreads, smem);
   // As many runs a tile as keep every tile's runs in one wave (at least one run a tile).
   ScoreArgs a = args;
   const int64_t runs_per_tile = std::max<int64_t>(1, int64_t(sm_count()) * per_sm / tiles);
@@ -524,13 +530,7 @@ template <class Shape, bool QFp8, bool KFp8>
 void launch_scores(ScoreArgs a, int64_t tiles, int64_t history, cudaStream_t stream) {
   constexpr int smem = 1024 + int(sizeof(ScoresStorage<Shape>));
   auto* kernel = index_scores_kernel<Shape, QFp8, KFp8>;
-  // CTAs per SM: a fact of the kernel and the architecture, found once (thread-safe static).
-  static const int per_sm = [&] {
-    MSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    int n = 0;
-    MSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, Shape::kThreads, smem));
-    return std::max(n, 1);
-  }();
+  static const int per_sm = configure_and_count(kernel, Shape::kThreads, smem);
   const int64_t resident = int64_t(sm_count()) * per_sm;
   a.pages_per_cta = int(std::clamp<int64_t>(ceil_div(tiles * history, resident), 1, Shape::kMaxPagesPerCta));
   const unsigned runs = unsigned(ceil_div(history, a.pages_per_cta));
@@ -595,10 +595,12 @@ void paged_indexer(const InferencePlan& plan, const PagedIndexerParams& p, const
   se.local_blocks = plan.topo.local_blocks;
   se.out = p.topk.as<int32_t>();
 
-  // The streamed decode kernel reads bf16 index-K pages by TMA (rows 16-byte aligned, strides
-  // 16-byte multiples: checked in src/core/inference.cpp).
+  // Decode over a bf16 index-K cache runs the streamed kernel, which reads the pages by TMA
+  // (rows 16-byte aligned, strides 16-byte multiples: checked in src/core/inference.cpp); the
+  // cache has no head axis, so the map's head dimension is one.
+  const bool streamed = decode && !k_fp8;
   CUtensorMap k_map{};
-  if (decode && !k_fp8)
+  if (streamed)
     k_map = paged_cache_map(p.index_k_cache.data, p.index_k_cache.shape[0], 1, kHeadDim * 2, p.index_k_cache.stride[0] * 2,
                             p.index_k_cache.stride[0] * 2, p.index_k_cache.stride[1] * 2, "index_k_cache");
   const int64_t rows_per_chunk = chunk_rows / tile_rows * tile_rows;
@@ -610,7 +612,7 @@ void paged_indexer(const InferencePlan& plan, const PagedIndexerParams& p, const
     sa.row_end = se.row_end = r1;
     if (pages - 1 > plan.topo.topk - 1) {  // some row may rank history pages
       const int64_t tiles = ceil_div(r1 - r0, tile_rows);
-      if (decode && !k_fp8)
+      if (streamed)
         q_fp8 ? launch_stream_scores_for<true>(int(tile_rows) * hi, sa, k_map, tiles, history, stream)
               : launch_stream_scores_for<false>(int(tile_rows) * hi, sa, k_map, tiles, history, stream);
       else if (decode) launch_scores_for<DecodeScores>(q_fp8, k_fp8, sa, tiles, history, stream);
