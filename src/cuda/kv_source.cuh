@@ -46,6 +46,30 @@ struct KvSource {
   int64_t max_pages = 0;
 };
 
+// A validated paged cache as a key-block source through `plan`'s page table (strides in bytes;
+// NVFP4 block scales and the scales of side_scales). Paged prefill and decode read it.
+inline KvSource paged_kv_source(const InferencePlan& plan, const PagedKvCache& c) {
+  const int64_t elem = c.format == KvFormat::bf16 ? 2 : 1;
+  KvSource s;
+  s.k = static_cast<const uint8_t*>(c.k.data);
+  s.v = static_cast<const uint8_t*>(c.v.data);
+  s.k_page = c.k.stride[0] * elem, s.k_head = c.k.stride[1] * elem, s.k_row = c.k.stride[2] * elem;
+  s.v_page = c.v.stride[0] * elem, s.v_head = c.v.stride[1] * elem, s.v_row = c.v.stride[2] * elem;
+  if (c.format == KvFormat::nvfp4) {
+    s.k_block_scale = static_cast<const uint8_t*>(c.k_block_scale.data);
+    s.v_block_scale = static_cast<const uint8_t*>(c.v_block_scale.data);
+    s.ksf_page = c.k_block_scale.stride[0], s.ksf_head = c.k_block_scale.stride[1], s.ksf_row = c.k_block_scale.stride[2];
+    s.vsf_page = c.v_block_scale.stride[0], s.vsf_head = c.v_block_scale.stride[1], s.vsf_row = c.v_block_scale.stride[2];
+  }
+  const inference::KvSideScales ks = inference::side_scales(c, false), vs = inference::side_scales(c, true);
+  s.k_tensor_scale = ks.tensor, s.v_tensor_scale = vs.tensor;
+  s.k_token_scale = ks.token, s.v_token_scale = vs.token;
+  s.k_token_stride = ks.token_stride, s.v_token_stride = vs.token_stride;
+  s.page_table = static_cast<const int32_t*>(plan.page_table.data());
+  s.max_pages = plan.max_pages;
+  return s;
+}
+
 // One key block of one head, resolved: where its rows start and what its scales are.
 struct KeyBlockRows {
   const uint8_t* k;

@@ -32,6 +32,7 @@
 #include "core/decode_splits.h"
 #include "cuda/device.cuh"
 #include "cuda/inference/quant.cuh"
+#include "cuda/kv_source.cuh"
 #include "cuda/tensor_map.h"
 
 namespace msa::cuda {
@@ -74,20 +75,10 @@ constexpr int kHeadTileBytes = int(sizeof(HeadTile));
 struct AttnArgs {
   const __nv_bfloat16* q;
   int64_t q_s0, q_s1;                 // elements
-  const uint8_t* ksf;                 // NVFP4 block scales
-  const uint8_t* vsf;
-  int64_t ksf_s0, ksf_s1, ksf_s2;     // bytes
-  int64_t vsf_s0, vsf_s1, vsf_s2;
-  const float* k_tensor_scale;        // nullptr: 1
-  const float* v_tensor_scale;
-  const float* k_token_scale;         // nullptr: none
-  const float* v_token_scale;
-  int64_t k_token_stride, v_token_stride;
+  KvSource kv;                        // the cache: block scales, scales, page table (pages come by TMA)
   const int32_t* topk;                // [Hkv, T, 16]
   const int32_t* positions;
   const int32_t* request;
-  const int32_t* page_table;
-  int64_t max_pages;
   int64_t total_q;
   int hq;
   int rows_per_tile;
@@ -246,9 +237,9 @@ __device__ __forceinline__ void issue_page(const AttnArgs& a, const CUtensorMap*
     if (tid < 2 * kPageSize) {
       const int side = tid / kPageSize, t = tid % kPageSize;
       const bool ok = t < nmax;
-      const uint8_t* ks = a.ksf + phys * a.ksf_s0 + g * a.ksf_s1;
-      const uint8_t* vs = a.vsf + phys * a.vsf_s0 + g * a.vsf_s1;
-      const uint8_t* src = side ? vs + t * a.vsf_s2 : ks + t * a.ksf_s2;
+      const uint8_t* ks = a.kv.k_block_scale + phys * a.kv.ksf_page + g * a.kv.ksf_head;
+      const uint8_t* vs = a.kv.v_block_scale + phys * a.kv.vsf_page + g * a.kv.vsf_head;
+      const uint8_t* src = side ? vs + t * a.kv.vsf_row : ks + t * a.kv.ksf_row;
       cp_async8(stage + Stage::scales(side, t), ok ? src : ks, ok ? kNvfp4RowScales : 0);
     }
   }
@@ -352,7 +343,7 @@ __device__ __forceinline__ int collect_pages(const AttnArgs& a, PageSet& ctl, in
   const int u0 = int(int64_t(split) * unique / a.splits), u1 = int(int64_t(split + 1) * unique / a.splits);
   if (first && before >= u0 && before < u1) {
     const int u = before - u0;
-    ctl.page_physical[u] = a.page_table[int64_t(key.x) * a.max_pages + key.y];
+    ctl.page_physical[u] = a.kv.page_table[int64_t(key.x) * a.kv.max_pages + key.y];
     ctl.page_logical[u] = key.y;
     ctl.page_tokens[u] = tokens;
     ctl.page_rows[u] = rows;
@@ -406,10 +397,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   __syncthreads();  // the page set and the barriers are complete
 
   // 3. Pages.
-  const float k_tensor = a.k_tensor_scale ? *a.k_tensor_scale : 1.0f;
-  const float v_tensor = a.v_tensor_scale ? *a.v_tensor_scale : 1.0f;
+  const float k_tensor = a.kv.k_tensor_scale ? *a.kv.k_tensor_scale : 1.0f;
+  const float v_tensor = a.kv.v_tensor_scale ? *a.kv.v_tensor_scale : 1.0f;
   const float qk_scale = a.softmax_scale * k_tensor * math::kLog2e;  // logits in log2 units
-  const bool per_token = a.k_token_scale != nullptr;
+  const bool per_token = a.kv.k_token_scale != nullptr;
 
   // Per-token scales of page u: thread (side, token) loads one, a page ahead of its use.
   const int scale_side = tid / kPageSize, scale_token = tid % kPageSize;
@@ -417,7 +408,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   auto load_token_scale = [&](int u) {
     if (!scale_thread || u >= pages || scale_token >= ctl.page_tokens[u]) return 0.0f;
     const int64_t slot = int64_t(ctl.page_physical[u]) * kPageSize + scale_token;
-    return scale_side ? a.v_token_scale[g * a.v_token_stride + slot] : a.k_token_scale[g * a.k_token_stride + slot];
+    return scale_side ? a.kv.v_token_scale[g * a.kv.v_token_stride + slot]
+                      : a.kv.k_token_scale[g * a.kv.k_token_stride + slot];
   };
   if (scale_thread) ctl.token_scale[0][scale_side][scale_token] = load_token_scale(0);
 
@@ -680,41 +672,22 @@ void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, c
   const Topology& topo = plan.topo;
   const PagedKvCache& c = p.kv;
   const int splits = plan.num_kv_splits;
-  const int64_t elem = c.format == KvFormat::bf16 ? 2 : 1;
 
   // Row alignment (16 bytes, block scales 8) was checked in src/core/inference.cpp.
   AttnArgs a{};
   a.q = p.q.as<const __nv_bfloat16>();
   a.q_s0 = p.q.stride[0];
   a.q_s1 = p.q.stride[1];
+  a.kv = paged_kv_source(plan, c);
   // One TMA map per side (strides are 16-byte multiples: checked with the rows' alignment).
   const int row_bytes = c.format == KvFormat::bf16 ? kHeadDim * 2 : c.format == KvFormat::fp8_e4m3 ? kHeadDim : kNvfp4RowBytes;
-  const CUtensorMap k_map = paged_cache_map(c.k.data, c.k.shape[0], c.k.shape[1], row_bytes, c.k.stride[0] * elem,
-                                            c.k.stride[1] * elem, c.k.stride[2] * elem, "k_cache");
-  const CUtensorMap v_map = paged_cache_map(c.v.data, c.v.shape[0], c.v.shape[1], row_bytes, c.v.stride[0] * elem,
-                                            c.v.stride[1] * elem, c.v.stride[2] * elem, "v_cache");
-  if (c.format == KvFormat::nvfp4) {
-    a.ksf = static_cast<const uint8_t*>(c.k_block_scale.data);
-    a.vsf = static_cast<const uint8_t*>(c.v_block_scale.data);
-    a.ksf_s0 = c.k_block_scale.stride[0];
-    a.ksf_s1 = c.k_block_scale.stride[1];
-    a.ksf_s2 = c.k_block_scale.stride[2];
-    a.vsf_s0 = c.v_block_scale.stride[0];
-    a.vsf_s1 = c.v_block_scale.stride[1];
-    a.vsf_s2 = c.v_block_scale.stride[2];
-  }
-  const KvSideScales ks = side_scales(c, false), vs = side_scales(c, true);
-  a.k_tensor_scale = ks.tensor;
-  a.v_tensor_scale = vs.tensor;
-  a.k_token_scale = ks.token;
-  a.v_token_scale = vs.token;
-  a.k_token_stride = ks.token_stride;
-  a.v_token_stride = vs.token_stride;
+  const CUtensorMap k_map = paged_cache_map(a.kv.k, c.k.shape[0], c.k.shape[1], row_bytes, a.kv.k_page, a.kv.k_head,
+                                            a.kv.k_row, "k_cache");
+  const CUtensorMap v_map = paged_cache_map(a.kv.v, c.v.shape[0], c.v.shape[1], row_bytes, a.kv.v_page, a.kv.v_head,
+                                            a.kv.v_row, "v_cache");
   a.topk = p.topk.as<const int32_t>();
   a.positions = static_cast<const int32_t*>(plan.positions.data());
   a.request = static_cast<const int32_t*>(plan.query_request.data());
-  a.page_table = static_cast<const int32_t*>(plan.page_table.data());
-  a.max_pages = plan.max_pages;
   a.total_q = T;
   a.hq = topo.num_q_heads;
   a.rows_per_tile = detail::decode_tile_rows(plan.q_len_per_req);

@@ -46,29 +46,6 @@ KvSourceKind source_kind(KvFormat f) {
   return KvSourceKind::paged_bf16;
 }
 
-// The cache as the forward's key-block source (strides in bytes; validated views).
-KvSource paged_source(const InferencePlan& plan, const PagedKvCache& c) {
-  const int64_t elem = c.format == KvFormat::bf16 ? 2 : 1;
-  KvSource s;
-  s.k = static_cast<const uint8_t*>(c.k.data);
-  s.v = static_cast<const uint8_t*>(c.v.data);
-  s.k_page = c.k.stride[0] * elem, s.k_head = c.k.stride[1] * elem, s.k_row = c.k.stride[2] * elem;
-  s.v_page = c.v.stride[0] * elem, s.v_head = c.v.stride[1] * elem, s.v_row = c.v.stride[2] * elem;
-  if (c.format == KvFormat::nvfp4) {
-    s.k_block_scale = static_cast<const uint8_t*>(c.k_block_scale.data);
-    s.v_block_scale = static_cast<const uint8_t*>(c.v_block_scale.data);
-    s.ksf_page = c.k_block_scale.stride[0], s.ksf_head = c.k_block_scale.stride[1], s.ksf_row = c.k_block_scale.stride[2];
-    s.vsf_page = c.v_block_scale.stride[0], s.vsf_head = c.v_block_scale.stride[1], s.vsf_row = c.v_block_scale.stride[2];
-  }
-  const inference::KvSideScales ks = inference::side_scales(c, false), vs = inference::side_scales(c, true);
-  s.k_tensor_scale = ks.tensor, s.v_tensor_scale = vs.tensor;
-  s.k_token_scale = ks.token, s.v_token_scale = vs.token;
-  s.k_token_stride = ks.token_stride, s.v_token_stride = vs.token_stride;
-  s.page_table = static_cast<const int32_t*>(plan.page_table.data());
-  s.max_pages = plan.max_pages;
-  return s;
-}
-
 }  // namespace
 
 std::shared_ptr<void> prepare_paged_prefill(const InferencePlan& plan, const std::vector<int32_t>& cu_seqlens_q,
@@ -109,7 +86,7 @@ void paged_prefill_attention(const InferencePlan& plan, const PagedAttentionPara
   build_schedule(plan.topo, p.topk, e->plan, e->state, false, s);
   ForwardLaunch f;
   f.kind = source_kind(p.kv.format);
-  f.kv = paged_source(plan, p.kv);
+  f.kv = paged_kv_source(plan, p.kv);
   f.q = p.q;
   f.schedule = static_cast<const WorkItem*>(e->plan.schedule.data());
   f.schedule_capacity = e->state.schedule_capacity;
