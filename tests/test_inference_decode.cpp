@@ -26,15 +26,20 @@ void expect_padding_rows(const PagedCase& c, const PagedOutputs& o) {
   }
 }
 
+// A decode run's selection and attention against the oracle, and its padding rows.
+void expect_decode_matches_oracle(const PagedCase& c, const PagedOutputs& o) {
+  check_paged_selection(c, o.topk);
+  check_paged_attention(c, o);
+  expect_padding_rows(c, o);
+}
+
 TEST(InferenceDecode, SingleQueryAgainstOracleWithPaddingRows) {
   MSA_SEEDED_RNG(rng);
   const PagedCase c = make_decode_case(rng, kSmall, {1, 130, 2400, 0, 128, 129, 0}, 1);
   for (int splits : {1, 4, 16}) {
     SCOPED_TRACE("num_kv_splits " + std::to_string(splits));
     const PagedOutputs o = run_paged(c, splits);
-    check_paged_selection(c, o.topk);
-    check_paged_attention(c, o);
-    expect_padding_rows(c, o);
+    expect_decode_matches_oracle(c, o);
   }
 }
 
@@ -44,9 +49,7 @@ TEST(InferenceDecode, EightQueriesHaveTheirOwnPositions) {
   // see 18 pages and rank history pages individually.
   const PagedCase c = make_decode_case(rng, kSmall, {8, 132, 2250, 0}, 8);
   const PagedOutputs o = run_paged(c, 2);
-  check_paged_selection(c, o.topk);
-  check_paged_attention(c, o);
-  expect_padding_rows(c, o);
+  expect_decode_matches_oracle(c, o);
   const auto ids = o.topk.ints();
   // Query i of request 0 sits at position i: exactly page 0.
   for (int i = 0; i < 8; ++i) EXPECT_EQ(ids[size_t(i * 16)], 0);
@@ -131,9 +134,7 @@ TEST(InferenceDecode, UpdatedPlanRunsTheNextStep) {
     EXPECT_EQ(o.topk.raw(), fresh.topk.raw());
     EXPECT_EQ(o.out.raw(), fresh.out.raw());
     EXPECT_EQ(o.lse.raw(), fresh.lse.raw());
-    check_paged_selection(next, o.topk);
-    check_paged_attention(next, o);
-    expect_padding_rows(next, o);
+    expect_decode_matches_oracle(next, o);
   }
 }
 
