@@ -213,8 +213,9 @@ std::string json_text(const std::vector<BenchRow>& rows, Device dev, const Topol
                       {"device", to_string(dev)},
                       {"heads", {{"q", topo.num_q_heads}, {"kv", topo.num_kv_heads}, {"index", topo.num_index_heads}}},
                       {"repeats", repeats},
-                      {"timing", dev.is_cuda() ? "CUDA events on one stream; plan: host clock to the end of its device work"
-                                               : "wall clock"},
+                      {"timing", dev.is_cuda() ? std::string(timing_label(true)) +
+                                                     "; plan: host clock to the end of its device work"
+                                               : std::string(timing_label(false))},
                       {"flop_convention", kFlopConvention},
                       {"results", nlohmann::json::array()}};
   if (dev.is_cuda()) j["device_name"] = device_description(dev);

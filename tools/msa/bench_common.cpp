@@ -141,6 +141,8 @@ std::string fixed(double value, int decimals) {
   return text;
 }
 
+const char* timing_label(bool gpu) { return gpu ? "CUDA events on one stream" : "wall clock"; }
+
 std::string tflops_cell(double tflops) {
   if (!(tflops > 0)) return "-";
   return fixed(tflops, tflops >= 1 ? 1 : std::clamp(2 - int(std::floor(std::log10(tflops))), 1, 15));

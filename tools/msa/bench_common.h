@@ -28,6 +28,9 @@ std::vector<KvFormat> parse_formats(const std::string& text);
 // `value` with `decimals` digits after the point (a table or CSV cell).
 std::string fixed(double value, int decimals);
 
+// How the benches time a step on the device: "CUDA events on one stream" or "wall clock".
+const char* timing_label(bool gpu);
+
 // A TFLOP/s table cell: one decimal from 1 on, three significant digits below (the CPU's
 // small rates) without an exponent; '-' when there is no rate (<= 0).
 std::string tflops_cell(double tflops);

@@ -248,7 +248,7 @@ std::string json_text(const std::vector<DecodeRow>& rows, Device dev, const Topo
                       {"device", to_string(dev)},
                       {"heads", {{"q", topo.num_q_heads}, {"kv", topo.num_kv_heads}, {"index", topo.num_index_heads}}},
                       {"repeats", repeats},
-                      {"timing", dev.is_cuda() ? "CUDA events on one stream" : "wall clock"},
+                      {"timing", timing_label(dev.is_cuda())},
                       {"bytes_convention", kBytesConvention},
                       {"splits_requested", splits},
                       {"results", nlohmann::json::array()}};
@@ -327,7 +327,7 @@ int run_bench_decode(const BenchOptions& o) {
                    gbps_cell(r.step), copy_cell(r.step, copy_rate),
                    r.graph_step.seconds > 0 ? format_time(r.graph_step.seconds) : "-", copy_cell(r.graph_step, copy_rate)});
   table.print(std::cout);
-  std::cout << "\nTimes: medians, " << (gpu ? "CUDA events on one stream" : "wall clock")
+  std::cout << "\nTimes: medians, " << timing_label(gpu)
             << "; indexer and attention timed on their own, step = paged_forward (both); graph step: the same step "
                "captured once in a CUDA graph and replayed (the device's time without the host's launch costs; GPU "
                "only).\n"

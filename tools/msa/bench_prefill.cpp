@@ -558,8 +558,8 @@ std::string json_text(const std::vector<PrefillRow>& rows, const Workload& w, co
       {"heads", {{"q", topo.num_q_heads}, {"kv", topo.num_kv_heads}, {"index", topo.num_index_heads}}},
       {"repeats", repeats},
       {"warmup", warmup},
-      {"timing", dev.is_cuda() ? "CUDA events on one stream; plan: host clock to the end of its device copies"
-                               : "wall clock"},
+      {"timing", dev.is_cuda() ? std::string(timing_label(true)) + "; plan: host clock to the end of its device copies"
+                               : std::string(timing_label(false))},
       {"flop_convention", kFlopConvention},
       {"results", nlohmann::json::array()},
       {"totals", nlohmann::json::array()}};
@@ -682,7 +682,7 @@ void print_report(const std::vector<PrefillRow>& rows, const Workload& w, const 
                  s.weight > 0 ? ms_cell(s.step / s.weight) : "-"});
     t.print(std::cout);
   }
-  std::cout << "\nTimes: medians, " << (gpu ? "CUDA events on one stream" : "wall clock")
+  std::cout << "\nTimes: medians, " << timing_label(gpu)
             << "; plan: host clock from the call to the end of its device copies; plan and indexer do not read the K/V "
                "cache and are timed once per case; step = plan + indexer + attention (the plan's host work included).\n"
                "attn TF/s: 4 * 128 * (Hq / Hkv) * attended pairs (a selected page's keys at or before the row's "
