@@ -17,6 +17,12 @@ enum class ForwardBarrier : int {
   kKeyBlock = 3,    // the 256 consumer threads, around a reload of the K / V^T tiles
 };
 
+// paged_decode_wgmma.cu: one or two consumer warpgroups and a producer warpgroup.
+enum class DecodeBarrier : int {
+  kWarpgroup0 = 1,  // consumer warpgroup 0 (128 threads): its query tile has landed
+  kWarpgroup1 = 2,  // consumer warpgroup 1 (kWarpgroup0 + wg)
+};
+
 // bar.sync on a named barrier of `threads` threads.
 template <typename Id>
 __device__ __forceinline__ void sync_barrier(Id id, int threads) {

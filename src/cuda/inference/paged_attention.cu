@@ -32,6 +32,7 @@
 #include "core/decode_splits.h"
 #include "cuda/device.cuh"
 #include "cuda/inference/quant.cuh"
+#include "cuda/inference/decode_pages.cuh"
 #include "cuda/kv_source.cuh"
 #include "cuda/tensor_map.h"
 
@@ -40,6 +41,7 @@ namespace msa::cuda {
 namespace {
 
 using namespace inference;
+using namespace decode;
 using model::kGroupSize;
 using model::kHeadDim;
 using model::kPageSize;
@@ -48,8 +50,6 @@ using model::kTopk;
 constexpr int kWarps = 16;                          // a CTA's warps: token slices of S, dim slices of O
 constexpr int kThreads = kWarps * 32;
 constexpr int kSlice = kPageSize / kWarps;          // tokens of a page (and dims of O) per warp: 8
-constexpr int kMaxTileRows = detail::kDecodeTileRows;  // query rows of a CTA
-constexpr int kMaxEntries = kMaxTileRows * kTopk;   // (row, slot) selections of a CTA
 constexpr int kChunk = 16;                          // bytes of one cp.async / ld.shared.v4
 constexpr int kKeySteps = kHeadDim / 16;            // k16 steps of S = Q K^T
 constexpr int kTokenSteps = kPageSize / 16;         // k16 steps of O += P V
@@ -72,31 +72,6 @@ using HeadTile = Bf16Tile<kGroupSize>; // the 16 heads of a row: its queries, or
 constexpr int kPageTileBytes = int(sizeof(PageTile));
 constexpr int kHeadTileBytes = int(sizeof(HeadTile));
 
-struct AttnArgs {
-  const __nv_bfloat16* q;
-  int64_t q_s0, q_s1;                 // elements
-  KvSource kv;                        // the cache: block scales, scales, page table (pages come by TMA)
-  const int32_t* topk;                // [Hkv, T, 16]
-  const int32_t* positions;
-  const int32_t* request;
-  int64_t total_q;
-  int hq;
-  int rows_per_tile;
-  int splits;
-  float softmax_scale;
-  void* out;                          // splits == 1: [T, Hq, 128] bf16 / f32
-  bool out_f32;
-  float* lse;                         // splits == 1: [T, Hq]
-  float* part_out;                    // splits > 1: [S, T, Hq, 128]
-  float* part_lse;                    // splits > 1: [S, T, Hq]
-};
-
-__device__ __forceinline__ int64_t min64(int64_t x, int64_t y) { return x < y ? x : y; }
-
-// Keys of logical page `page` that a row at position `pos` sees (<= 0: none).
-__device__ __forceinline__ int visible_keys(int32_t pos, int32_t page) {
-  return int(min64(kPageSize, int64_t(pos) - int64_t(page) * kPageSize + 1));
-}
 
 // One page of the cache (K and V of one KV head) as it arrives from global memory: side 0 = K,
 // side 1 = V. bf16 rows land directly in the swizzled tiles the MMAs read (two TMA boxes a
@@ -133,17 +108,9 @@ static_assert(kNvfp4RowScales == 8, "an NVFP4 row's block scales are one 8-byte 
 template <KvFormat F>
 inline constexpr uint32_t kStageTmaBytes = 2 * KvStage<F>::kBoxes * KvStage<F>::kBoxBytes;
 
-// The distinct pages of the CTA's split and, per tile row, the softmax bookkeeping the warps
-// share. Entry e = (tile row e / 16, slot e % 16).
+// Per tile row, the softmax bookkeeping the warps share (the split's pages: SplitPages).
 struct alignas(16) PageSet {
   uint64_t full[4];                    // per stage: the page's TMA bytes have landed
-  int2 entry_key[kMaxEntries];         // (request, logical page); (-1, -1): selects nothing
-  int32_t entry_tokens[kMaxEntries];   // keys of the page the entry's row sees
-  int32_t warp_firsts[kWarps];         // first appearances per warp of entries
-  int32_t page_physical[kMaxEntries];  // the split's pages, in union order
-  int32_t page_logical[kMaxEntries];
-  int32_t page_tokens[kMaxEntries];    // tokens read: the most any selecting row sees
-  uint32_t page_rows[kMaxEntries];     // bit i: tile row i selected the page
   int32_t row_position[kMaxTileRows];  // of the tile's rows (-1: none)
   float token_scale[2][2][kPageSize];  // [page parity][K, V] per-token scales (zero past the tokens read)
   float row_max[2][kMaxTileRows][kGroupSize];          // [page parity] running max of a (row, head), log2 units
@@ -182,6 +149,7 @@ struct SharedStorage {
   HeadTile p[R];  // probabilities of each row over the page in use
   std::conditional_t<F == KvFormat::bf16, NoTiles, WidenedPage> converted;  // K, V widened from a quantised stage
   std::conditional_t<F == KvFormat::nvfp4, Nvfp4Table, NoTiles> nvfp4;
+  SplitPages pages;
   PageSet set;
 };
 
@@ -297,60 +265,6 @@ __device__ __forceinline__ void convert_page(uint32_t stage, uint32_t tiles, uin
   }
 }
 
-// Step 1: the union of the tile's selections and this split's share of it (PageSet). Returns
-// the split's page count.
-__device__ __forceinline__ int collect_pages(const AttnArgs& a, PageSet& ctl, int64_t r0, int nrows, int g, int split) {
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int entries = nrows * kTopk;
-  int2 key = make_int2(-1, -1);
-  int tokens = 0;
-  if (tid < entries) {
-    const int64_t r = r0 + tid / kTopk;
-    const int32_t id = a.topk[(int64_t(g) * a.total_q + r) * kTopk + tid % kTopk];
-    const int32_t pos = a.positions[r];
-    if (id >= 0 && pos >= 0 && int64_t(id) * kPageSize <= pos) {
-      key = make_int2(a.request[r], id);
-      tokens = visible_keys(pos, id);
-    }
-    ctl.entry_key[tid] = key;
-    ctl.entry_tokens[tid] = tokens;
-  }
-  __syncthreads();
-  // The entry's page: first appearance, the rows that selected it, the most tokens they see.
-  bool first = key.x >= 0;
-  uint32_t rows = 0;
-  if (first) {
-#pragma unroll 4
-    for (int e = 0; e < entries; ++e) {
-      const int2 other = ctl.entry_key[e];
-      if (other.x == key.x && other.y == key.y) {
-        if (e < tid) first = false;
-        rows |= 1u << (e / kTopk);
-        tokens = max(tokens, ctl.entry_tokens[e]);
-      }
-    }
-  }
-  const uint32_t ballot = __ballot_sync(0xffffffffu, first);
-  if (lane == 0) ctl.warp_firsts[warp] = __popc(ballot);
-  __syncthreads();
-  int unique = 0, before = __popc(ballot & ((1u << lane) - 1u));
-#pragma unroll
-  for (int w = 0; w < kWarps; ++w) {
-    const int n = ctl.warp_firsts[w];
-    unique += n;
-    if (w < warp) before += n;
-  }
-  const int u0 = int(int64_t(split) * unique / a.splits), u1 = int(int64_t(split + 1) * unique / a.splits);
-  if (first && before >= u0 && before < u1) {
-    const int u = before - u0;
-    ctl.page_physical[u] = a.kv.page_table[int64_t(key.x) * a.kv.max_pages + key.y];
-    ctl.page_logical[u] = key.y;
-    ctl.page_tokens[u] = tokens;
-    ctl.page_rows[u] = rows;
-  }
-  return u1 - u0;
-}
-
 template <int R, KvFormat F>
 __global__ void __launch_bounds__(kThreads, 1)
     paged_attention_kernel(const AttnArgs a, const __grid_constant__ CUtensorMap k_map,
@@ -361,6 +275,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t base = align1024(smem_addr(smem_raw));
   Storage& smem = *reinterpret_cast<Storage*>(smem_raw + (base - smem_addr(smem_raw)));
   PageSet& ctl = smem.set;
+  SplitPages& list = smem.pages;
   const uint32_t stage0 = base + uint32_t(offsetof(Storage, stage));
   const uint32_t converted = base + uint32_t(offsetof(Storage, converted));
   const uint32_t q_tiles = base + uint32_t(offsetof(Storage, q));
@@ -385,7 +300,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float value = e4m3_to_f32(nvfp4_to_e4m3(uint32_t(i % 16), e4m3_to_f32(uint8_t(i / 16))));
       smem.nvfp4.value[i / 16][i % 16] = uint16_t(bf16x2_bits(value, 0.0f));
     }
-  const int pages = collect_pages(a, ctl, r0, nrows, g, split);
+  const int pages = collect_pages(a, list, r0, nrows, g, split);
 
   // 2. Query tiles of the rows (16 heads x 128 each): the first cp.async group.
   for (int i = tid; i < nrows * kGroupSize * kBf16RowChunks; i += kThreads) {
@@ -406,8 +321,8 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int scale_side = tid / kPageSize, scale_token = tid % kPageSize;
   const bool scale_thread = per_token && tid < 2 * kPageSize;
   auto load_token_scale = [&](int u) {
-    if (!scale_thread || u >= pages || scale_token >= ctl.page_tokens[u]) return 0.0f;
-    const int64_t slot = int64_t(ctl.page_physical[u]) * kPageSize + scale_token;
+    if (!scale_thread || u >= pages || scale_token >= list.page_tokens[u]) return 0.0f;
+    const int64_t slot = int64_t(list.page_physical[u]) * kPageSize + scale_token;
     return scale_side ? a.kv.v_token_scale[g * a.kv.v_token_stride + slot]
                       : a.kv.k_token_scale[g * a.kv.k_token_stride + slot];
   };
@@ -421,7 +336,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Page u into its stage, and the kPrefetchPages pages after it into L2: the ring holds 2-4
   // pages, too few bytes in flight per SM to cover the memory latency under load on its own.
   auto issue = [&](int u) {
-    issue_page<F>(a, &k_map, &v_map, stage_at(u), full_at(u), ctl.page_physical[u], g, ctl.page_tokens[u]);
+    issue_page<F>(a, &k_map, &v_map, stage_at(u), full_at(u), list.page_physical[u], g, list.page_tokens[u]);
     if (tid == 0) {
       const int first = u == 0 ? 1 : u + kPrefetchPages, last = min(u + kPrefetchPages, pages - 1);
       for (int j = first; j <= last; ++j)
@@ -429,7 +344,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         for (int side = 0; side < 2; ++side)
 #pragma unroll
           for (int box = 0; box < KvStage<F>::kBoxes; ++box)
-            tma_prefetch_4d(side ? &v_map : &k_map, box * 64, 0, g, ctl.page_physical[j]);
+            tma_prefetch_4d(side ? &v_map : &k_map, box * 64, 0, g, list.page_physical[j]);
     }
   };
 #pragma unroll
@@ -451,8 +366,8 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     const uint32_t k_tile = F == KvFormat::bf16 ? stage : converted;
     const uint32_t v_tile = k_tile + kPageTileBytes;
-    const uint32_t selected = ctl.page_rows[u];
-    const int32_t logical = ctl.page_logical[u];
+    const uint32_t selected = list.page_rows[u];
+    const int32_t logical = list.page_logical[u];
     const float* k_scale = ctl.token_scale[u & 1][0];
     const float* v_scale = ctl.token_scale[u & 1][1];
     auto row_limit = [&](int i) {  // keys of the page row i sees
@@ -642,7 +557,8 @@ int ctas_per_sm() {
   return n;
 }
 
-// The fewest CTAs per SM over the formats (the plan does not know the cache's format).
+// The fewest CTAs per SM over the formats (the plan does not know the cache's format); the
+// wgmma kernel's count joins them in decode_attention_concurrency.
 template <int R>
 int min_ctas_per_sm() {
   return std::min({ctas_per_sm<R, KvFormat::bf16>(), ctas_per_sm<R, KvFormat::fp8_e4m3>(), ctas_per_sm<R, KvFormat::nvfp4>()});
@@ -659,6 +575,11 @@ void launch_format(KvFormat f, const AttnArgs& a, const CUtensorMap& k_map, cons
     case KvFormat::fp8_e4m3: return launch<R, KvFormat::fp8_e4m3>(a, k_map, v_map, grid, stream);
     case KvFormat::nvfp4: return launch<R, KvFormat::nvfp4>(a, k_map, v_map, grid, stream);
   }
+}
+
+// bf16 caches without scales run on the wgmma kernel (paged_decode_wgmma.cu).
+bool uses_wgmma(const KvSource& kv, KvFormat f) {
+  return f == KvFormat::bf16 && !kv.k_tensor_scale && !kv.v_tensor_scale && !kv.k_token_scale && !kv.v_token_scale;
 }
 
 }  // namespace
@@ -701,11 +622,15 @@ void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, c
     a.part_lse = static_cast<float*>(plan.partial_lse.data());
   }
   const dim3 grid(unsigned(ceil_div(T, a.rows_per_tile)), unsigned(topo.num_kv_heads), unsigned(splits));
-  switch (rows_instance(a.rows_per_tile)) {
-    case 1: launch_format<1>(c.format, a, k_map, v_map, grid, stream); break;
-    case 2: launch_format<2>(c.format, a, k_map, v_map, grid, stream); break;
-    case 4: launch_format<4>(c.format, a, k_map, v_map, grid, stream); break;
-    default: launch_format<8>(c.format, a, k_map, v_map, grid, stream); break;
+  if (uses_wgmma(a.kv, c.format)) {
+    launch_wgmma(a, k_map, v_map, grid, stream);
+  } else {
+    switch (rows_instance(a.rows_per_tile)) {
+      case 1: launch_format<1>(c.format, a, k_map, v_map, grid, stream); break;
+      case 2: launch_format<2>(c.format, a, k_map, v_map, grid, stream); break;
+      case 4: launch_format<4>(c.format, a, k_map, v_map, grid, stream); break;
+      default: launch_format<8>(c.format, a, k_map, v_map, grid, stream); break;
+    }
   }
 
   if (splits > 1) {
@@ -726,10 +651,10 @@ int64_t decode_attention_concurrency(int device, int q_len_per_req) {
     std::lock_guard<std::mutex> lock(mutex);
     int& cached = per_sm[R == 1 ? 0 : R == 2 ? 1 : R == 4 ? 2 : 3];
     if (cached == 0)
-      cached = std::max(1, R == 1   ? min_ctas_per_sm<1>()
-                           : R == 2 ? min_ctas_per_sm<2>()
-                           : R == 4 ? min_ctas_per_sm<4>()
-                                    : min_ctas_per_sm<8>());
+      cached = std::max(1, std::min(decode::wgmma_ctas_per_sm(R), R == 1   ? min_ctas_per_sm<1>()
+                                                                  : R == 2 ? min_ctas_per_sm<2>()
+                                                                  : R == 4 ? min_ctas_per_sm<4>()
+                                                                           : min_ctas_per_sm<8>()));
     n = cached;
   }
   return int64_t(sm_count()) * n;

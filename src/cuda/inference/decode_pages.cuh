@@ -1,0 +1,127 @@
+// What the two decode attention kernels share: their arguments, and step 1 of both, the
+// distinct pages a CTA's split reads.
+//
+// CTA = (a tile of R <= 8 query rows, KV head g, split s). The CTA builds the union of the
+// (request, page) pairs its rows selected, and split s takes the distinct pages
+// s * U / S .. (s + 1) * U / S - 1 of that union of U: every distinct page is streamed once per
+// (tile, KV head) whatever the split count, and the splits get equal shares of it.
+//   paged_attention.cu       mma.sync kernel, every cache format (16 warps share a page's tokens)
+//   paged_decode_wgmma.cu    wgmma kernel for bf16 caches (a warpgroup computes 4 rows x 16 heads)
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "core/decode_splits.h"
+#include "cuda/kv_source.cuh"
+#include "cuda/tensor_map.h"
+
+namespace msa::cuda::decode {
+
+using model::kPageSize;
+using model::kTopk;
+
+inline constexpr int kMaxTileRows = detail::kDecodeTileRows;  // query rows of a CTA
+inline constexpr int kMaxEntries = kMaxTileRows * kTopk;      // (row, slot) selections of a CTA
+inline constexpr int kEntryWarps = kMaxEntries / 32;          // warps that hold the entries
+
+struct AttnArgs {
+  const __nv_bfloat16* q;
+  int64_t q_s0, q_s1;                 // elements
+  KvSource kv;                        // the cache: block scales, scales, page table (pages come by TMA)
+  const int32_t* topk;                // [Hkv, T, 16]
+  const int32_t* positions;
+  const int32_t* request;
+  int64_t total_q;
+  int hq;
+  int rows_per_tile;
+  int splits;
+  float softmax_scale;
+  void* out;                          // splits == 1: [T, Hq, 128] bf16 / f32
+  bool out_f32;
+  float* lse;                         // splits == 1: [T, Hq]
+  float* part_out;                    // splits > 1: [S, T, Hq, 128]
+  float* part_lse;                    // splits > 1: [S, T, Hq]
+};
+
+__device__ __forceinline__ int64_t min64(int64_t x, int64_t y) { return x < y ? x : y; }
+
+// Keys of logical page `page` that a row at position `pos` sees (<= 0: none).
+__device__ __forceinline__ int visible_keys(int32_t pos, int32_t page) {
+  return int(min64(kPageSize, int64_t(pos) - int64_t(page) * kPageSize + 1));
+}
+
+// The distinct pages of a CTA's split. Entry e = (tile row e / 16, slot e % 16).
+struct SplitPages {
+  int2 entry_key[kMaxEntries];         // (request, logical page); (-1, -1): selects nothing
+  int32_t entry_tokens[kMaxEntries];   // keys of the page the entry's row sees
+  int32_t warp_firsts[kEntryWarps];    // first appearances per warp of entries
+  int32_t page_physical[kMaxEntries];  // the split's pages, in union order
+  int32_t page_logical[kMaxEntries];
+  int32_t page_tokens[kMaxEntries];    // tokens read: the most any selecting row sees
+  uint32_t page_rows[kMaxEntries];     // bit i: tile row i selected the page
+};
+
+// Step 1 of both kernels: the union of the tile's selections and this split's share of it.
+// Every thread of the CTA calls it (it holds two CTA barriers; threads 0 .. 127 hold the
+// entries). Returns the split's page count.
+__device__ __forceinline__ int collect_pages(const AttnArgs& a, SplitPages& ctl, int64_t r0, int nrows, int g, int split) {
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int entries = nrows * kTopk;
+  int2 key = make_int2(-1, -1);
+  int tokens = 0;
+  if (tid < entries) {
+    const int64_t r = r0 + tid / kTopk;
+    const int32_t id = a.topk[(int64_t(g) * a.total_q + r) * kTopk + tid % kTopk];
+    const int32_t pos = a.positions[r];
+    if (id >= 0 && pos >= 0 && int64_t(id) * kPageSize <= pos) {
+      key = make_int2(a.request[r], id);
+      tokens = visible_keys(pos, id);
+    }
+    ctl.entry_key[tid] = key;
+    ctl.entry_tokens[tid] = tokens;
+  }
+  __syncthreads();
+  // The entry's page: first appearance, the rows that selected it, the most tokens they see.
+  bool first = key.x >= 0;
+  uint32_t rows = 0;
+  if (first) {
+#pragma unroll 4
+    for (int e = 0; e < entries; ++e) {
+      const int2 other = ctl.entry_key[e];
+      if (other.x == key.x && other.y == key.y) {
+        if (e < tid) first = false;
+        rows |= 1u << (e / kTopk);
+        tokens = max(tokens, ctl.entry_tokens[e]);
+      }
+    }
+  }
+  const uint32_t ballot = __ballot_sync(0xffffffffu, first);
+  if (lane == 0 && warp < kEntryWarps) ctl.warp_firsts[warp] = __popc(ballot);
+  __syncthreads();
+  int unique = 0, before = __popc(ballot & ((1u << lane) - 1u));
+#pragma unroll
+  for (int w = 0; w < kEntryWarps; ++w) {
+    const int n = ctl.warp_firsts[w];
+    unique += n;
+    if (w < warp) before += n;
+  }
+  const int u0 = int(int64_t(split) * unique / a.splits), u1 = int(int64_t(split + 1) * unique / a.splits);
+  if (first && before >= u0 && before < u1) {
+    const int u = before - u0;
+    ctl.page_physical[u] = a.kv.page_table[int64_t(key.x) * a.kv.max_pages + key.y];
+    ctl.page_logical[u] = key.y;
+    ctl.page_tokens[u] = tokens;
+    ctl.page_rows[u] = rows;
+  }
+  return u1 - u0;
+}
+
+// The wgmma kernel (paged_decode_wgmma.cu) for a bf16 cache without per-token scales: grid =
+// (tiles, Hkv, splits); `k_map` / `v_map` are the caches' 4-D page maps (paged_cache_map).
+void launch_wgmma(const AttnArgs& a, const CUtensorMap& k_map, const CUtensorMap& v_map, dim3 grid, cudaStream_t stream);
+// CTAs of that kernel an SM holds at once.
+int wgmma_ctas_per_sm(int rows_per_tile);
+
+}  // namespace msa::cuda::decode
