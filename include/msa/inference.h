@@ -198,6 +198,8 @@ struct InferencePlan {
                          //   -1 for padding rows; feed it to insert_kv for this step's tokens
   Buffer partial_out;    // decode: [num_kv_splits, total_q, Hq, 128] f32 split-K partial outputs
   Buffer partial_lse;    // decode: [num_kv_splits, total_q, Hq] f32 split-K partial LSEs
+  Buffer split_arrivals; // CUDA decode with num_kv_splits > 1: [tiles * Hkv] int32, the split
+                         //   CTAs of a (query tile, KV head) that are done (zero between steps)
   Buffer scratch_f32;    // CPU: [num_threads, n] f32 per-thread work space; CUDA: indexer page
                          //   scores [rows, Hi * history pages] for a chunk of rows
   // CUDA prefill plans: the attention's schedule buffers and partial states (16 per query

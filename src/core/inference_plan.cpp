@@ -150,6 +150,11 @@ InferencePlan finish(const Topology& topo, InferencePhase phase, const StepReque
   if (phase == InferencePhase::decode) {
     plan.partial_out = Buffer(dev, DType::f32, {num_kv_splits, plan.total_q, topo.num_q_heads, kHeadDim});
     plan.partial_lse = Buffer(dev, DType::f32, {num_kv_splits, plan.total_q, topo.num_q_heads});
+    if (dev.is_cuda() && num_kv_splits > 1) {  // the last split CTA of a tile merges (paged_decode_wgmma.cu)
+      const int64_t rows = detail::decode_tile_rows(q_len_per_req);
+      const int64_t n = (plan.total_q + rows - 1) / rows * topo.num_kv_heads;
+      plan.split_arrivals = device_copy(dev, std::vector<int32_t>(size_t(n), 0), {n});
+    }
   }
   if (!dev.is_cuda()) {
     plan.num_threads = options.num_threads > 0 ? options.num_threads : omp_get_max_threads();

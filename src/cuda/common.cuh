@@ -2,6 +2,8 @@
 // table that kernels read, and small numeric helpers. Included by every .cu file.
 #pragma once
 
+#include <utility>
+
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -46,6 +48,27 @@ class DeviceGuard {
 };
 
 inline cudaStream_t as_stream(const RunOptions& opt) { return static_cast<cudaStream_t>(opt.stream); }
+
+// Launches `kernel` so that it may start before the previous kernel of `stream` has finished
+// (programmatic stream serialization): the kernel must call griddep_wait (device.cuh) before it
+// reads anything that kernel wrote. Under stream capture the dependency becomes a programmatic
+// graph edge.
+template <typename... Params, typename... Args>
+void launch_programmatic(const char* name, void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem,
+                         cudaStream_t stream, Args&&... args) {
+  cudaLaunchAttribute attribute{};
+  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t config{};
+  config.gridDim = grid;
+  config.blockDim = block;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &attribute;
+  config.numAttrs = 1;
+  const cudaError_t err = cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...);
+  if (err != cudaSuccess) throw_cuda_error(name, err, __FILE__, __LINE__);
+}
 
 // Multiprocessors of the current device (cached per device).
 int sm_count();

@@ -21,6 +21,7 @@ enum class ForwardBarrier : int {
 enum class DecodeBarrier : int {
   kWarpgroup0 = 1,  // consumer warpgroup 0 (128 threads): its query tile has landed
   kWarpgroup1 = 2,  // consumer warpgroup 1 (kWarpgroup0 + wg)
+  kConsumers = 3,   // every consumer thread, around the split CTAs' arrival count
 };
 
 // bar.sync on a named barrier of `threads` threads.

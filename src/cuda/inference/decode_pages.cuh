@@ -5,8 +5,8 @@
 // (request, page) pairs its rows selected, and split s takes the distinct pages
 // s * U / S .. (s + 1) * U / S - 1 of that union of U: every distinct page is streamed once per
 // (tile, KV head) whatever the split count, and the splits get equal shares of it.
-//   paged_attention.cu       mma.sync kernel, every cache format (16 warps share a page's tokens)
-//   paged_decode_wgmma.cu    wgmma kernel for bf16 caches (a warpgroup computes 4 rows x 16 heads)
+//   paged_attention.cu       mma.sync kernel for NVFP4 caches (16 warps share a page's tokens)
+//   paged_decode_wgmma.cu    wgmma kernel for bf16 / FP8 caches (a warpgroup computes 4 rows x 16 heads)
 #pragma once
 
 #include <cuda_bf16.h>
@@ -43,6 +43,7 @@ struct AttnArgs {
   float* lse;                         // splits == 1: [T, Hq]
   float* part_out;                    // splits > 1: [S, T, Hq, 128]
   float* part_lse;                    // splits > 1: [S, T, Hq]
+  int32_t* arrivals;                  // splits > 1, wgmma kernel: [tiles, Hkv] split CTAs done (the last merges)
 };
 
 __device__ __forceinline__ int64_t min64(int64_t x, int64_t y) { return x < y ? x : y; }
@@ -118,10 +119,12 @@ __device__ __forceinline__ int collect_pages(const AttnArgs& a, SplitPages& ctl,
   return u1 - u0;
 }
 
-// The wgmma kernel (paged_decode_wgmma.cu) for a bf16 cache without per-token scales: grid =
-// (tiles, Hkv, splits); `k_map` / `v_map` are the caches' 4-D page maps (paged_cache_map).
-void launch_wgmma(const AttnArgs& a, const CUtensorMap& k_map, const CUtensorMap& v_map, dim3 grid, cudaStream_t stream);
-// CTAs of that kernel an SM holds at once.
+// The wgmma kernel (paged_decode_wgmma.cu): bf16 and FP8 caches (scales of every kind); grid
+// = (tiles, Hkv, splits); `k_map` / `v_map` are the caches' 4-D page maps (paged_cache_map).
+bool wgmma_supports(KvFormat f);
+void launch_wgmma(KvFormat f, const AttnArgs& a, const CUtensorMap& k_map, const CUtensorMap& v_map, dim3 grid,
+                  cudaStream_t stream);
+// CTAs of that kernel an SM holds at once (the fewest over its formats).
 int wgmma_ctas_per_sm(int rows_per_tile);
 
 }  // namespace msa::cuda::decode

@@ -163,9 +163,6 @@ constexpr int smem_bytes() {
   return 1024 + int(sizeof(S));
 }
 
-__device__ __forceinline__ void st_shared_v4(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
-  asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
-}
 __device__ __forceinline__ uint2 ld_shared_v2(uint32_t addr) {
   uint2 v;
   asm volatile("ld.shared.v2.b32 {%0,%1}, [%2];\n" : "=r"(v.x), "=r"(v.y) : "r"(addr) : "memory");
@@ -577,11 +574,6 @@ void launch_format(KvFormat f, const AttnArgs& a, const CUtensorMap& k_map, cons
   }
 }
 
-// bf16 caches without scales run on the wgmma kernel (paged_decode_wgmma.cu).
-bool uses_wgmma(const KvSource& kv, KvFormat f) {
-  return f == KvFormat::bf16 && !kv.k_tensor_scale && !kv.v_tensor_scale && !kv.k_token_scale && !kv.v_token_scale;
-}
-
 }  // namespace
 
 void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, const RunOptions& opt) {
@@ -622,8 +614,10 @@ void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, c
     a.part_lse = static_cast<float*>(plan.partial_lse.data());
   }
   const dim3 grid(unsigned(ceil_div(T, a.rows_per_tile)), unsigned(topo.num_kv_heads), unsigned(splits));
-  if (uses_wgmma(a.kv, c.format)) {
-    launch_wgmma(a, k_map, v_map, grid, stream);
+  if (wgmma_supports(c.format)) {  // merges the splits itself
+    a.arrivals = static_cast<int32_t*>(plan.split_arrivals.data());
+    detail::require(splits == 1 || a.arrivals, "paged_attention: the decode plan has no split arrival counts (build it on the CUDA device)");
+    return launch_wgmma(c.format, a, k_map, v_map, grid, stream);
   } else {
     switch (rows_instance(a.rows_per_tile)) {
       case 1: launch_format<1>(c.format, a, k_map, v_map, grid, stream); break;

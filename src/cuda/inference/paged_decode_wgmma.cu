@@ -1,5 +1,5 @@
-// Decode attention over a bf16 paged cache on warpgroup MMAs (sm_90a), for caches without
-// scales; paged_attention.cu dispatches here and keeps its mma.sync kernel for FP8 / NVFP4.
+// Decode attention over a bf16 or FP8 paged cache on warpgroup MMAs (sm_90a); paged_attention.cu
+// dispatches here and keeps its mma.sync kernel for NVFP4 caches.
 //
 // A tile's query rows and their 16 heads are the M dimension of the products: a consumer
 // warpgroup computes 4 rows x 16 heads = 64 M-rows (warp w: row 4 wg + w, one m16 slice), so
@@ -8,16 +8,21 @@
 // the online softmax in registers (a row's heads are whole in its warp: no exchange), then
 // O += P V on wgmma with P from registers. Rows of the warpgroup that did not select the page
 // (and keys past a row's causal limit) get P = 0. The (split of the) union is step 1, shared
-// with the mma.sync kernel (decode_pages.cuh).
+// with the mma.sync kernel (decode_pages.cuh). Scales: the per-tensor K scale and the softmax
+// scale multiply the logits, per-token K scales each logit column, per-token V scales the
+// probabilities fed to P V (not the sums), the per-tensor V scale the output.
 //
-// A producer warpgroup feeds a ring of half pages (one side, K or V, of a page: 32 KB):
-//   issuer (one thread)     waits for a free slot, TMA of the two column-half boxes;
-//   scanners (3 warps)      wait for a V side to land, zero its rows past the most tokens any
-//                           row reads (cache slots not written yet: garbage), and flag the slot
-//                           when a row that some row reads holds inf / NaN; then release it.
+// A producer warpgroup feeds a ring of bf16 sides (one side, K or V, of a page: 32 KB):
+//   issuer (one thread)     TMA of a side into a free slot: bf16 sides straight into the ring
+//                           (two column-half boxes), FP8 codes into a staging ring of raw sides;
+//   scanners (3 warps)      per side: FP8 codes widened into the ring (exact: E4M3 values are
+//                           bf16 values) with the side's per-token scales; rows past the most
+//                           tokens any row reads zeroed (cache slots not written yet: garbage);
+//                           V sides flagged when a row that some row reads holds inf / NaN.
 // A row that gets P = 0 on a key must not get 0 * inf = NaN from it (the NaN-isolation
 // contract), so a flagged V side is multiplied per row on mma.sync with the keys past each
 // row's limit zeroed, rows that did not select the page skipped (the mma.sync kernel's rule).
+#include <algorithm>
 #include <cstddef>
 #include <mutex>
 
@@ -25,6 +30,7 @@
 #include "core/check.h"
 #include "cuda/device.cuh"
 #include "cuda/inference/decode_pages.cuh"
+#include "cuda/inference/quant.cuh"
 #include "cuda/named_barriers.cuh"
 #include "cuda/wgmma.cuh"
 
@@ -36,102 +42,186 @@ using model::kGroupSize;
 using model::kHeadDim;
 
 constexpr int kRowsPerWarpgroup = 4;                  // warp w of a consumer warpgroup: one row's 16 heads
-constexpr int kSideBytes = kPageSize * kHeadDim * 2;  // one side of a page: 32 KB
-constexpr int kBoxBytes = kSideBytes / 2;             // one TMA box: 64 columns of the 128 rows
+constexpr int kSideBytes = kPageSize * kHeadDim * 2;  // one bf16 side of a page: 32 KB
+constexpr int kBoxBytes = kSideBytes / 2;             // one bf16 TMA box: 64 columns of the 128 rows
+constexpr int kFp8SideBytes = kPageSize * kHeadDim;   // one FP8 side: one box of 16 KB
 constexpr int kScanThreads = 96;                      // producer warps 1-3
-constexpr int kSideChunks = kPageSize * kHeadDim * 2 / 16;  // 16-byte chunks of a side
+constexpr int kScanWarps = kScanThreads / 32;
 constexpr int kSharedLimit = 227 * 1024;
 // setmaxnreg with two consumer warpgroups: the producer warpgroup gives registers to them
 // (they need more than 65536 / 384).
-constexpr int kProducerRegs = 56;
-constexpr int kConsumerRegs = 224;
+constexpr int kProducerRegs = 72;
+constexpr int kConsumerRegs = 216;
 static_assert(kRowsPerWarpgroup * kGroupSize == 64, "a warpgroup's wgmma rows are 4 query rows x 16 heads");
 
-// The CTA's shape by its consumer warpgroups (1: tiles of <= 4 rows, 2: of <= 8).
-template <int Consumers>
+// The CTA's shape by its consumer warpgroups (1: tiles of <= 4 rows, 2: of <= 8) and the
+// cache format: as many ring slots as shared memory holds.
+template <int Consumers, KvFormat F>
 struct DecodeShape {
+  static constexpr bool kQuantised = F != KvFormat::bf16;
   static constexpr int kThreads = 128 * (Consumers + 1);
   static constexpr int kConsumerWarps = 4 * Consumers;
-  static constexpr int kSlots = Consumers == 1 ? 6 : 5;  // half pages in the ring: as many as shared memory holds
+  static constexpr int kSlots = !kQuantised ? (Consumers == 1 ? 6 : 5) : (Consumers == 1 ? 4 : 3);  // bf16 sides
+  static constexpr int kRawSlots = !kQuantised ? 1 : (Consumers == 1 ? 4 : 5);                       // FP8 sides
 };
 
 struct alignas(1024) Side {
   uint8_t bytes[kSideBytes];  // 128 tokens x 128 bf16, swizzled (tile_offset), as the TMA boxes land
+};
+struct alignas(128) RawSide {
+  uint8_t bytes[kFp8SideBytes];  // 128 tokens x 128 E4M3 codes, row-major
 };
 struct alignas(1024) QueryTile {
   uint8_t bytes[64 * kHeadDim * 2];  // M-row 16 w + h = (tile row 4 wg + w, head h)
 };
 
 // Shared memory of the kernel, from a 1024-byte aligned base; the barriers per slot:
-//   full   the slot's TMA bytes have landed (1 arrival + bytes)
-//   ready  the scanners are done with it (kScanThreads arrivals; K sides pass straight through)
-//   empty  every consumer warp is done with it (kConsumerWarps arrivals)
-template <int Consumers>
+//   raw_full  FP8: the raw side's TMA bytes have landed (1 arrival + bytes)
+//   raw_free  FP8: the scanners have widened it (kScanThreads arrivals)
+//   full      bf16: the side's TMA bytes have landed (1 arrival + bytes)
+//   ready     the scanners are done with the side (kScanThreads arrivals)
+//   empty     every consumer warp is done with it (kConsumerWarps arrivals)
+template <int Consumers, KvFormat F>
 struct DecodeStorage {
-  using Shape = DecodeShape<Consumers>;
+  using Shape = DecodeShape<Consumers, F>;
   Side slot[Shape::kSlots];
   QueryTile q[Consumers];
+  RawSide raw[Shape::kQuantised ? Shape::kRawSlots : 0];
   SplitPages pages;
+  float token_scale[Shape::kSlots][kPageSize];  // per-token scale of the side's keys (1 without; 0 past the read)
+  uint64_t raw_full[Shape::kRawSlots];
+  uint64_t raw_free[Shape::kRawSlots];
   uint64_t full[Shape::kSlots];
   uint64_t ready[Shape::kSlots];
   uint64_t empty[Shape::kSlots];
-  uint32_t nonfinite[Shape::kSlots];  // V side: a row some tile row reads holds inf / NaN
+  uint32_t nonfinite[Shape::kSlots][kScanWarps];  // V side: per scanner warp, a row some tile row reads holds inf / NaN
   int32_t row_position[kMaxTileRows];
+  int32_t last_split;  // splits > 1: this CTA is the (tile, KV head)'s last to finish
 };
 
-template <int Consumers>
+template <int Consumers, KvFormat F>
 constexpr int storage_bytes() {
-  return 1024 + int(sizeof(DecodeStorage<Consumers>));
+  return 1024 + int(sizeof(DecodeStorage<Consumers, F>));
 }
-static_assert(storage_bytes<1>() <= kSharedLimit && storage_bytes<2>() <= kSharedLimit,
+static_assert(storage_bytes<1, KvFormat::bf16>() <= kSharedLimit && storage_bytes<2, KvFormat::bf16>() <= kSharedLimit &&
+                  storage_bytes<1, KvFormat::fp8_e4m3>() <= kSharedLimit &&
+                  storage_bytes<2, KvFormat::fp8_e4m3>() <= kSharedLimit,
               "paged_decode_wgmma_kernel: shared memory");
 
-// Producer warp 0, one thread: the sides of the split's pages into the ring, in order (item
-// j = side j % 2 of page j / 2).
-template <int Consumers>
-__device__ __forceinline__ void issue_sides(DecodeStorage<Consumers>& sm, uint32_t slots, const CUtensorMap* k_map,
+// Producer warp 0, one thread: the sides of the split's pages, in order (item j = side j % 2 of
+// page j / 2): bf16 into the ring, FP8 into the staging ring.
+template <int Consumers, KvFormat F>
+__device__ __forceinline__ void issue_sides(DecodeStorage<Consumers, F>& sm, uint32_t base, const CUtensorMap* k_map,
                                             const CUtensorMap* v_map, int g, int items) {
-  constexpr int S = DecodeShape<Consumers>::kSlots;
+  using Shape = DecodeShape<Consumers, F>;
+  using Storage = DecodeStorage<Consumers, F>;
+  constexpr int S = Shape::kQuantised ? Shape::kRawSlots : Shape::kSlots;
   const uint64_t policy = l2_evict_first();
   for (int j = 0; j < items; ++j) {
     const int slot = j % S;
-    if (j >= S) mbar_wait(smem_addr(&sm.empty[slot]), ((j / S) - 1) & 1);
-    sm.nonfinite[slot] = 0;
-    const uint32_t full = smem_addr(&sm.full[slot]);
-    mbar_arrive_expect_tx(full, kSideBytes);
     const int32_t phys = sm.pages.page_physical[j / 2];
+    const CUtensorMap* map = (j & 1) ? v_map : k_map;
+    if constexpr (Shape::kQuantised) {
+      if (j >= S) mbar_wait(smem_addr(&sm.raw_free[slot]), ((j / S) - 1) & 1);
+      const uint32_t full = smem_addr(&sm.raw_full[slot]);
+      mbar_arrive_expect_tx(full, kFp8SideBytes);
+      tma_load_4d(base + uint32_t(offsetof(Storage, raw) + slot * sizeof(RawSide)), map, 0, 0, g, phys, full, policy);
+    } else {
+      if (j >= S) mbar_wait(smem_addr(&sm.empty[slot]), ((j / S) - 1) & 1);
+      const uint32_t full = smem_addr(&sm.full[slot]);
+      mbar_arrive_expect_tx(full, kSideBytes);
 #pragma unroll
-    for (int box = 0; box < 2; ++box)
-      tma_load_4d(slots + uint32_t(slot * kSideBytes + box * kBoxBytes), (j & 1) ? v_map : k_map, box * 64, 0, g, phys,
-                  full, policy);
+      for (int box = 0; box < 2; ++box)
+        tma_load_4d(base + uint32_t(offsetof(Storage, slot) + slot * kSideBytes + box * kBoxBytes), map, box * 64, 0, g,
+                    phys, full, policy);
+    }
   }
 }
 
-// Producer warps 1-3: V sides made safe for a product that every row of a warpgroup takes part in.
-template <int Consumers>
-__device__ __forceinline__ void scan_sides(DecodeStorage<Consumers>& sm, uint32_t slots, int items, int st) {
-  constexpr int S = DecodeShape<Consumers>::kSlots;
+// Two E4M3 codes (low byte first) -> their bf16 pair, exactly.
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t codes) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(codes & 0xffffu), __NV_E4M3);
+  const float2 f = __half22float2(__half2(h));
+  return inference::bf16x2_bits(f.x, f.y);
+}
+
+// Producer warps 1-3: each side ready for a product that every row of a warpgroup takes part
+// in (bf16: in place; FP8: widened from the staging ring), with its per-token scales.
+template <int Consumers, KvFormat F>
+__device__ __forceinline__ void scan_sides(const AttnArgs& a, DecodeStorage<Consumers, F>& sm, uint32_t base, int g,
+                                           int items, int st) {
+  using Shape = DecodeShape<Consumers, F>;
+  using Storage = DecodeStorage<Consumers, F>;
+  constexpr int S = Shape::kSlots, RS = Shape::kRawSlots;
+  const bool per_token = a.kv.k_token_scale != nullptr;
+  // The per-token scale of key t of item j (this thread's keys st, st + 96), loaded a side ahead.
+  auto load_scales = [&](int j, float (&out)[2]) {
+    out[0] = out[1] = 1.0f;
+    if (!per_token || j >= items) return;
+    const int64_t slot0 = int64_t(sm.pages.page_physical[j / 2]) * kPageSize;
+    const float* src = (j & 1) ? a.kv.v_token_scale + g * a.kv.v_token_stride : a.kv.k_token_scale + g * a.kv.k_token_stride;
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+      if (st + kScanThreads * i < kPageSize) out[i] = src[slot0 + st + kScanThreads * i];
+  };
+  float scale[2], next[2];
+  load_scales(0, scale);
   for (int j = 0; j < items; ++j) {
     const int slot = j % S;
-    mbar_wait(smem_addr(&sm.full[slot]), (j / S) & 1);
-    if (j & 1) {
-      const int read = sm.pages.page_tokens[j / 2];  // keys past it: no row reads them
-      const uint32_t side = slots + uint32_t(slot * kSideBytes);
-      uint32_t bad = 0;
-      for (int i = st; i < kSideChunks; i += kScanThreads) {
-        const int t = i >> 4;
-        const uint32_t addr = side + tile_offset(kPageSize, t, i & 15);
+    const int read = sm.pages.page_tokens[j / 2];  // keys past it: no row reads them
+    const uint32_t side = base + uint32_t(offsetof(Storage, slot) + slot * kSideBytes);
+    load_scales(j + 1, next);
+    uint32_t bad = 0;
+    if constexpr (Shape::kQuantised) {
+      const int r = j % RS;
+      mbar_wait(smem_addr(&sm.raw_full[r]), (j / RS) & 1);
+      if (j >= S) mbar_wait(smem_addr(&sm.empty[slot]), ((j / S) - 1) & 1);
+      const uint32_t raw = base + uint32_t(offsetof(Storage, raw) + r * sizeof(RawSide));
+      for (int i = st; i < kPageSize * kHeadDim / 16; i += kScanThreads) {  // 16 codes -> bf16 chunks 2c, 2c + 1
+        const int t = i >> 3, c = i & 7;
+        const uint32_t dst0 = side + tile_offset(kPageSize, t, 2 * c), dst1 = side + tile_offset(kPageSize, t, 2 * c + 1);
         if (t >= read) {
-          st_shared_v4_zero(addr);
-        } else {
-          const uint4 v = ld_shared_v4(addr);
-          bad |= nonfinite_bf16x2_signs(v.x) | nonfinite_bf16x2_signs(v.y) | nonfinite_bf16x2_signs(v.z) |
-                 nonfinite_bf16x2_signs(v.w);
+          st_shared_v4_zero(dst0);
+          st_shared_v4_zero(dst1);
+          continue;
         }
+        const uint4 w = ld_shared_v4(raw + uint32_t(t * kHeadDim + c * 16));
+        const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+        uint32_t o[8];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          o[2 * k] = e4m3x2_to_bf16x2(words[k]);
+          o[2 * k + 1] = e4m3x2_to_bf16x2(words[k] >> 16);
+          if (j & 1) bad |= nonfinite_bf16x2_signs(o[2 * k]) | nonfinite_bf16x2_signs(o[2 * k + 1]);
+        }
+        st_shared_v4(dst0, o[0], o[1], o[2], o[3]);
+        st_shared_v4(dst1, o[4], o[5], o[6], o[7]);
       }
-      if (__any_sync(0xffffffffu, bad != 0) && (st & 31) == 0) atomicOr(&sm.nonfinite[slot], 1u);
-      fence_proxy_async();  // the zeroed rows are read by the tensor cores
+      mbar_arrive(smem_addr(&sm.raw_free[r]));
+    } else {
+      mbar_wait(smem_addr(&sm.full[slot]), (j / S) & 1);
+      if (j & 1)
+        for (int i = st; i < kSideBytes / 16; i += kScanThreads) {
+          const int t = i >> 4;
+          const uint32_t addr = side + tile_offset(kPageSize, t, i & 15);
+          if (t >= read) {
+            st_shared_v4_zero(addr);
+          } else {
+            const uint4 v = ld_shared_v4(addr);
+            bad |= nonfinite_bf16x2_signs(v.x) | nonfinite_bf16x2_signs(v.y) | nonfinite_bf16x2_signs(v.z) |
+                   nonfinite_bf16x2_signs(v.w);
+          }
+        }
     }
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int t = st + kScanThreads * i;
+      if (t < kPageSize) sm.token_scale[slot][t] = t < read ? scale[i] : 0.0f;
+      scale[i] = next[i];
+    }
+    const bool any = __any_sync(0xffffffffu, bad != 0);
+    if ((st & 31) == 0) sm.nonfinite[slot][st / 32] = any;
+    fence_proxy_async();  // the written rows are read by the tensor cores
     mbar_arrive(smem_addr(&sm.ready[slot]));
   }
 }
@@ -167,20 +257,23 @@ __device__ __forceinline__ void pv_masked(RowState& st, const uint32_t (&p)[8][4
   }
 }
 
-// The online-softmax step of this warp's row over a page: S (log2 units after the scale,
-// keys past `limit` at -inf) -> the rescaled state and P as bf16 A fragments.
+// The online-softmax step of this warp's row over a page: S (log2 units after the scales, keys
+// past `limit` at -inf) -> the rescaled state and P (times the per-token V scales) as bf16 A
+// fragments. `k_scale` / `v_scale`: the page's per-token scales, nullptr without.
 __device__ __forceinline__ void softmax_step(RowState& st, float (&s)[16][4], uint32_t (&p)[8][4], int limit,
-                                             float qk_scale, int quad) {
+                                             float qk_scale, const float* k_scale, const float* v_scale, int quad) {
   float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-  for (int j = 0; j < 16; ++j)
+  for (int j = 0; j < 16; ++j) {
+    const int t = 8 * j + 2 * quad;
+    const float2 ks = k_scale ? *reinterpret_cast<const float2*>(k_scale + t) : make_float2(1.0f, 1.0f);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const int t = 8 * j + 2 * quad + (e & 1);
-      const float x = t < limit ? s[j][e] * qk_scale : -INFINITY;
+      const float x = t + (e & 1) < limit ? s[j][e] * qk_scale * ((e & 1) ? ks.y : ks.x) : -INFINITY;
       s[j][e] = x;
       mx[e >> 1] = fmaxf(mx[e >> 1], x);
     }
+  }
   float use[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -199,25 +292,121 @@ __device__ __forceinline__ void softmax_step(RowState& st, float (&s)[16][4], ui
   }
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
+    const int t = 8 * j + 2 * quad;
     const float p0 = fast_exp2(s[j][0] - use[0]), p1 = fast_exp2(s[j][1] - use[0]);
     const float p2 = fast_exp2(s[j][2] - use[1]), p3 = fast_exp2(s[j][3] - use[1]);
     st.l[0] += p0 + p1;
     st.l[1] += p2 + p3;
-    p[j / 2][2 * (j & 1)] = pack_bf16(p0, p1);      // A fragment: (head gr, keys 16c + 2q ..) then + 8 keys
-    p[j / 2][2 * (j & 1) + 1] = pack_bf16(p2, p3);  // (head gr + 8, same keys)
+    // Keys past the limit have p = 0; their scale slots hold 0 (scan_sides), so the products stay 0.
+    const float2 vs = v_scale ? *reinterpret_cast<const float2*>(v_scale + t) : make_float2(1.0f, 1.0f);
+    p[j / 2][2 * (j & 1)] = pack_bf16(p0 * vs.x, p1 * vs.y);      // A fragment: (head gr, keys 16c + 2q ..) then + 8 keys
+    p[j / 2][2 * (j & 1) + 1] = pack_bf16(p2 * vs.x, p3 * vs.y);  // (head gr + 8, same keys)
   }
 }
 
-template <int Consumers>
-__device__ __forceinline__ void consume_pages(const AttnArgs& a, DecodeStorage<Consumers>& sm, uint32_t slots,
+// 5. Splits > 1: the last of the (tile, KV head)'s split CTAs to finish merges their partials
+// into the outputs, and resets the count for the next step. The fence / atomic pair is the
+// usual last-block pattern: every partial is visible to it. The merge is merge_row's
+// (merge_row.cuh) arithmetic, spread over all consumer threads: first each (row, head)'s
+// weights, then its outputs, 4 dims an item, several items' loads in flight together.
+template <int Consumers, KvFormat F>
+__device__ __forceinline__ void merge_if_last(const AttnArgs& a, DecodeStorage<Consumers, F>& sm, int64_t r0, int nrows,
+                                              int g, int ct) {
+  constexpr int kThreads = 32 * DecodeShape<Consumers, F>::kConsumerWarps;
+  constexpr int kMaxSplits = 16, kPairs = kMaxTileRows * kGroupSize, kChunks = kHeadDim / 4;  // chunk: 4 dims
+  __threadfence();
+  sync_barrier(DecodeBarrier::kConsumers, kThreads);
+  if (ct == 0) {
+    int32_t* count = a.arrivals + int64_t(blockIdx.x) * gridDim.y + g;
+    const bool last = atomicAdd(count, 1) == a.splits - 1;
+    if (last) *count = 0;
+    sm.last_split = last;
+  }
+  sync_barrier(DecodeBarrier::kConsumers, kThreads);
+  if (!sm.last_split) return;
+  __threadfence();
+  // The ring is drained: its first slot holds the weights.
+  float* weight = reinterpret_cast<float*>(&sm.slot[0]);  // [pair][split]; NaN: an empty partial (not read)
+  float* inverse = weight + kPairs * kMaxSplits;          // [pair]: 1 / sum, 0 when the merged state is not valid
+  float* valid = inverse + kPairs;                        // [pair]: 1 when it is valid
+  const int64_t RH = a.total_q * a.hq;
+  const int S = a.splits, pairs = nrows * kGroupSize;
+  auto pair_rh = [&](int pair) { return (r0 + pair / kGroupSize) * a.hq + g * kGroupSize + pair % kGroupSize; };
+  for (int pair = ct; pair < pairs; pair += kThreads) {
+    const int64_t rh = pair_rh(pair);
+    float l[kMaxSplits];
+#pragma unroll
+    for (int s = 0; s < kMaxSplits; ++s) l[s] = s < S ? __ldcg(a.part_lse + s * RH + rh) : 0.0f;
+    SoftmaxState row = SoftmaxState::empty();
+#pragma unroll
+    for (int s = 0; s < kMaxSplits; ++s)
+      if (s < S) row.m = state_math::max(row.m, SoftmaxState::from_lse(l[s]).m);
+#pragma unroll
+    for (int s = 0; s < kMaxSplits; ++s)
+      if (s < S) {
+        const SoftmaxState part = SoftmaxState::from_lse(l[s]);
+        const float w = row.add_at_max(part);
+        weight[pair * kMaxSplits + s] = part.m > -INFINITY ? w : NAN;
+      }
+    inverse[pair] = row.inverse_sum();
+    valid[pair] = row.valid() ? 1.0f : 0.0f;
+    a.lse[rh] = row.lse();
+  }
+  sync_barrier(DecodeBarrier::kConsumers, kThreads);
+  // Item k of this thread: (pair, 4 dims) number ct + k * kThreads; each split's loads of 8
+  // items are in flight together.
+  constexpr int kItems = 4 * Consumers * kGroupSize * kChunks / kThreads, kBatch = 8;
+  static_assert(kItems % kBatch == 0, "merge items per thread");
+#pragma unroll 1
+  for (int k0 = 0; k0 < kItems; k0 += kBatch) {
+    float acc[kBatch][4];
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) acc[k][0] = acc[k][1] = acc[k][2] = acc[k][3] = 0.0f;
+    for (int s = 0; s < S; ++s) {
+      float w[kBatch];
+      float4 v[kBatch];
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k) {
+        const int it = ct + (k0 + k) * kThreads, pair = it / kChunks;
+        w[k] = pair < pairs && valid[pair] != 0.0f ? weight[pair * kMaxSplits + s] : NAN;
+        v[k] = !isnan(w[k]) ? __ldcg(reinterpret_cast<const float4*>(a.part_out + (s * RH + pair_rh(pair)) * kHeadDim +
+                                                                      4 * (it % kChunks)))
+                            : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int k = 0; k < kBatch; ++k)
+        if (!isnan(w[k])) acc[k][0] += w[k] * v[k].x, acc[k][1] += w[k] * v[k].y, acc[k][2] += w[k] * v[k].z, acc[k][3] += w[k] * v[k].w;
+    }
+#pragma unroll
+    for (int k = 0; k < kBatch; ++k) {
+      const int it = ct + (k0 + k) * kThreads, pair = it / kChunks, d = 4 * (it % kChunks);
+      if (pair >= pairs) continue;
+      const int64_t rh = pair_rh(pair);
+      const float inv = inverse[pair];
+      if (a.out_f32) {
+        *reinterpret_cast<float4*>(static_cast<float*>(a.out) + rh * kHeadDim + d) =
+            make_float4(acc[k][0] * inv, acc[k][1] * inv, acc[k][2] * inv, acc[k][3] * inv);
+      } else {
+        *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(a.out) + rh * kHeadDim + d) =
+            make_uint2(pack_bf16(acc[k][0] * inv, acc[k][1] * inv), pack_bf16(acc[k][2] * inv, acc[k][3] * inv));
+      }
+    }
+  }
+}
+
+template <int Consumers, KvFormat F>
+__device__ __forceinline__ void consume_pages(const AttnArgs& a, DecodeStorage<Consumers, F>& sm, uint32_t slots,
                                               uint32_t q_tile, int pages, int64_t r0, int nrows, int g, int split,
                                               int wg, int w, int lane) {
-  constexpr int S = DecodeShape<Consumers>::kSlots;
+  constexpr int S = DecodeShape<Consumers, F>::kSlots;
   const int quad = lane & 3, gr = lane >> 2;
   const int row = kRowsPerWarpgroup * wg + w;
   const uint32_t wg_rows = ((1u << kRowsPerWarpgroup) - 1u) << (kRowsPerWarpgroup * wg);
   const int32_t pos = sm.row_position[row];
-  const float qk_scale = a.softmax_scale * math::kLog2e;
+  const float k_tensor = a.kv.k_tensor_scale ? *a.kv.k_tensor_scale : 1.0f;
+  const float v_tensor = a.kv.v_tensor_scale ? *a.kv.v_tensor_scale : 1.0f;
+  const float qk_scale = a.softmax_scale * k_tensor * math::kLog2e;
+  const bool per_token = a.kv.k_token_scale != nullptr;
 
   RowState st;
 #pragma unroll
@@ -246,25 +435,31 @@ __device__ __forceinline__ void consume_pages(const AttnArgs& a, DecodeStorage<C
       wgmma_commit();
       wgmma_wait<0>();
     }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(smem_addr(&sm.empty[sk]));
 
+    // P (its V scales are the V side's: wait for it first when there are some).
+    const int jv = 2 * u + 1, sv = jv % S;
+    if (per_token) mbar_wait(smem_addr(&sm.ready[sv]), (jv / S) & 1);
     uint32_t p[8][4];
     if (computes) {
       if (mine) {
-        softmax_step(st, s, p, limit, qk_scale, quad);
+        softmax_step(st, s, p, limit, qk_scale, per_token ? sm.token_scale[sk] : nullptr,
+                     per_token ? sm.token_scale[sv] : nullptr, quad);
       } else {
 #pragma unroll
         for (int c = 0; c < 8; ++c) p[c][0] = p[c][1] = p[c][2] = p[c][3] = 0u;
       }
     }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(smem_addr(&sm.empty[sk]));
 
     // O += P V.
-    const int jv = 2 * u + 1, sv = jv % S;
-    mbar_wait(smem_addr(&sm.ready[sv]), (jv / S) & 1);
+    if (!per_token) mbar_wait(smem_addr(&sm.ready[sv]), (jv / S) & 1);
     if (computes) {
       const uint32_t v_side = slots + uint32_t(sv * kSideBytes);
-      if (sm.nonfinite[sv] == 0) {
+      bool flagged = false;
+#pragma unroll
+      for (int i = 0; i < kScanWarps; ++i) flagged |= sm.nonfinite[sv][i] != 0;
+      if (!flagged) {
         wgmma_fence();
 #pragma unroll
         for (int c = 0; c < kPageSize / 16; ++c)
@@ -280,13 +475,13 @@ __device__ __forceinline__ void consume_pages(const AttnArgs& a, DecodeStorage<C
     if (lane == 0) mbar_arrive(smem_addr(&sm.empty[sv]));
   }
 
-  // The row's state per head, then its outputs (normalised) and LSE.
-  if (row >= nrows) return;
+  // 4. The row's state per head, then its outputs (normalised) and LSE, or its partial.
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
+    if (row >= nrows) break;
     const int head = gr + 8 * h;
     const SoftmaxState state{st.m[h], warp_sum4(st.l[h])};
-    const float inv = state.inverse_sum();
+    const float inv = state.inverse_sum() * v_tensor;
     const int64_t rh = (r0 + row) * a.hq + g * kGroupSize + head;
     if (quad == 0) {
       if (a.splits == 1) a.lse[rh] = state.lse();
@@ -308,31 +503,37 @@ __device__ __forceinline__ void consume_pages(const AttnArgs& a, DecodeStorage<C
         }
       }
   }
+  if (a.splits > 1) merge_if_last(a, sm, r0, nrows, g, 32 * (4 * wg + w) + lane);
 }
 
-template <int Consumers>
-__global__ void __launch_bounds__(DecodeShape<Consumers>::kThreads, 1)
+template <int Consumers, KvFormat F>
+__global__ void __launch_bounds__(DecodeShape<Consumers, F>::kThreads, 1)
     paged_decode_wgmma_kernel(const AttnArgs a, const __grid_constant__ CUtensorMap k_map,
                               const __grid_constant__ CUtensorMap v_map) {
-  using Shape = DecodeShape<Consumers>;
-  using Storage = DecodeStorage<Consumers>;
+  using Shape = DecodeShape<Consumers, F>;
+  using Storage = DecodeStorage<Consumers, F>;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = align1024(smem_addr(smem_raw));
   Storage& sm = *reinterpret_cast<Storage*>(smem_raw + (base - smem_addr(smem_raw)));
-  const uint32_t slots = base + uint32_t(offsetof(Storage, slot));
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int64_t r0 = int64_t(blockIdx.x) * a.rows_per_tile;
   const int nrows = int(min64(a.rows_per_tile, a.total_q - r0));
   const int g = blockIdx.y, split = blockIdx.z;
 
   // 1. Barriers, row positions, the split's distinct pages.
-  if (tid == 0)
+  if (tid == 0) {
     for (int i = 0; i < Shape::kSlots; ++i) {
       mbar_init(smem_addr(&sm.full[i]), 1);
       mbar_init(smem_addr(&sm.ready[i]), kScanThreads);
       mbar_init(smem_addr(&sm.empty[i]), Shape::kConsumerWarps);
     }
+    for (int i = 0; i < Shape::kRawSlots; ++i) {
+      mbar_init(smem_addr(&sm.raw_full[i]), 1);
+      mbar_init(smem_addr(&sm.raw_free[i]), kScanThreads);
+    }
+  }
   if (tid < kMaxTileRows) sm.row_position[tid] = tid < nrows ? a.positions[r0 + tid] : -1;
+  griddep_wait();  // the selection (the previous kernel when it is the indexer's)
   const int pages = collect_pages(a, sm.pages, r0, nrows, g, split);
   __syncthreads();  // the page list
   const int items = 2 * pages;
@@ -340,8 +541,8 @@ __global__ void __launch_bounds__(DecodeShape<Consumers>::kThreads, 1)
   if (warp >= Shape::kConsumerWarps) {  // 2. the producer warpgroup
     if constexpr (Consumers > 1) setmaxnreg_dec<kProducerRegs>();
     const int pt = tid - 32 * Shape::kConsumerWarps;
-    if (pt == 0) issue_sides(sm, slots, &k_map, &v_map, g, items);
-    else if (pt >= 32) scan_sides(sm, slots, items, pt - 32);
+    if (pt == 0) issue_sides(sm, base, &k_map, &v_map, g, items);
+    else if (pt >= 32) scan_sides(a, sm, base, g, items, pt - 32);
     return;
   }
   if constexpr (Consumers > 1) setmaxnreg_inc<kConsumerRegs>();
@@ -360,40 +561,54 @@ __global__ void __launch_bounds__(DecodeShape<Consumers>::kThreads, 1)
   cp_async_wait<0>();
   fence_proxy_async();
   sync_barrier(wg == 0 ? DecodeBarrier::kWarpgroup0 : DecodeBarrier::kWarpgroup1, 128);
-  consume_pages(a, sm, slots, q_tile, pages, r0, nrows, g, split, wg, w, lane);
+  consume_pages(a, sm, base + uint32_t(offsetof(Storage, slot)), q_tile, pages, r0, nrows, g, split, wg, w, lane);
 }
 
-template <int Consumers>
+template <int Consumers, KvFormat F>
 void configure() {
   static std::once_flag once;
   std::call_once(once, [] {
-    MSA_CUDA_CHECK(cudaFuncSetAttribute(paged_decode_wgmma_kernel<Consumers>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        storage_bytes<Consumers>()));
+    MSA_CUDA_CHECK(cudaFuncSetAttribute(paged_decode_wgmma_kernel<Consumers, F>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, storage_bytes<Consumers, F>()));
   });
 }
 
-template <int Consumers>
+template <int Consumers, KvFormat F>
+void launch(const AttnArgs& a, const CUtensorMap& k_map, const CUtensorMap& v_map, dim3 grid, cudaStream_t stream) {
+  configure<Consumers, F>();
+  // Programmatic: its CTAs may start (barriers, row positions) while the selection finishes.
+  launch_programmatic("paged_decode_wgmma_kernel launch", paged_decode_wgmma_kernel<Consumers, F>, grid,
+                      dim3(DecodeShape<Consumers, F>::kThreads), size_t(storage_bytes<Consumers, F>()), stream, a, k_map,
+                      v_map);
+}
+
+template <int Consumers, KvFormat F>
 int ctas_per_sm() {
-  configure<Consumers>();
+  configure<Consumers, F>();
   int n = 0;
-  MSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, paged_decode_wgmma_kernel<Consumers>,
-                                                               DecodeShape<Consumers>::kThreads, storage_bytes<Consumers>()));
+  MSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, paged_decode_wgmma_kernel<Consumers, F>,
+                                                               DecodeShape<Consumers, F>::kThreads,
+                                                               storage_bytes<Consumers, F>()));
   return n;
 }
 
 }  // namespace
 
-void launch_wgmma(const AttnArgs& a, const CUtensorMap& k_map, const CUtensorMap& v_map, dim3 grid, cudaStream_t stream) {
-  if (a.rows_per_tile <= kRowsPerWarpgroup) {
-    configure<1>();
-    paged_decode_wgmma_kernel<1><<<grid, DecodeShape<1>::kThreads, storage_bytes<1>(), stream>>>(a, k_map, v_map);
-  } else {
-    configure<2>();
-    paged_decode_wgmma_kernel<2><<<grid, DecodeShape<2>::kThreads, storage_bytes<2>(), stream>>>(a, k_map, v_map);
-  }
-  MSA_CUDA_CHECK_LAUNCH("paged_decode_wgmma_kernel");
+bool wgmma_supports(KvFormat f) { return f == KvFormat::bf16 || f == KvFormat::fp8_e4m3; }
+
+void launch_wgmma(KvFormat f, const AttnArgs& a, const CUtensorMap& k_map, const CUtensorMap& v_map, dim3 grid,
+                  cudaStream_t stream) {
+  const bool one = a.rows_per_tile <= kRowsPerWarpgroup;
+  if (f == KvFormat::bf16) one ? launch<1, KvFormat::bf16>(a, k_map, v_map, grid, stream)
+                               : launch<2, KvFormat::bf16>(a, k_map, v_map, grid, stream);
+  else one ? launch<1, KvFormat::fp8_e4m3>(a, k_map, v_map, grid, stream)
+           : launch<2, KvFormat::fp8_e4m3>(a, k_map, v_map, grid, stream);
 }
 
-int wgmma_ctas_per_sm(int rows_per_tile) { return rows_per_tile <= kRowsPerWarpgroup ? ctas_per_sm<1>() : ctas_per_sm<2>(); }
+int wgmma_ctas_per_sm(int rows_per_tile) {
+  return rows_per_tile <= kRowsPerWarpgroup
+             ? std::min(ctas_per_sm<1, KvFormat::bf16>(), ctas_per_sm<1, KvFormat::fp8_e4m3>())
+             : std::min(ctas_per_sm<2, KvFormat::bf16>(), ctas_per_sm<2, KvFormat::fp8_e4m3>());
+}
 
 }  // namespace msa::cuda::decode

@@ -415,6 +415,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
       }
     }
   }
+  griddep_launch_dependents();  // the selection may start its launch
 }
 
 template <int MTiles, bool QFp8>
@@ -458,34 +459,19 @@ __device__ __forceinline__ bool ranks_before(float s, int id, float bs, int bid)
   return s > bs || (s == bs && id < bid);
 }
 
-__global__ void __launch_bounds__(kThreads) select_kernel(const SelectArgs a) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t item = int64_t(blockIdx.x) * (kThreads / 32) + warp;
-  if (item >= (a.row_end - a.row_begin) * a.hi) return;
-  const int64_t row = a.row_begin + item / a.hi;
-  const int g = int(item % a.hi);
-  const int32_t pos = a.positions[row];
-  const int64_t nvis = pos < 0 ? 0 : pos / kPageSize + 1;
-  int32_t* out = a.out + (int64_t(g) * a.total_q + row) * a.topk;
+// The best `slots` history pages [begin, end) by (score desc, page id asc), NaN never chosen,
+// written to out[0 ..] in that order by a warp; returns how many (fewer when fewer pages).
+__device__ __forceinline__ int select_history(const float* score, int64_t begin, int64_t end, int slots, int32_t* out,
+                                              int lane) {
   int n = 0;
-  if (nvis <= a.topk) {
-    for (int s = lane; s < a.topk; s += 32) out[s] = s < nvis ? s : -1;
-    return;
-  }
-  const int64_t local_begin = nvis - a.local_blocks;
-  const int64_t init_end = min(int64_t(a.init_blocks), local_begin);
-  const int slots = a.topk - int(init_end) - a.local_blocks;
-  for (int64_t b = lane; b < init_end; b += 32) out[b] = int32_t(b);
-  n = int(init_end);
-  // One pass over the history pages: lane l keeps the best kList of pages init_end + l + 32i
+  // One pass over the history pages: lane l keeps the best kList of pages begin + l + 32i
   // in registers, sorted by (score desc, id asc); then `slots` rounds take the best head of
   // the 32 lists (ids are distinct, so exactly one lane pops its head).
-  const float* score = a.scores + ((row - a.row_begin) * a.hi + g) * a.score_stride;
   float ls[kList];
   int li[kList];
 #pragma unroll
   for (int k = 0; k < kList; ++k) ls[k] = -INFINITY, li[k] = INT_MAX;
-  for (int64_t b = init_end + lane; b < local_begin; b += 32) {
+  for (int64_t b = begin + lane; b < end; b += 32) {
     float cs = score[b];
     int ci = int(b);
     if (isnan(cs) || !ranks_before(cs, ci, ls[kList - 1], li[kList - 1])) continue;
@@ -518,9 +504,53 @@ __global__ void __launch_bounds__(kThreads) select_kernel(const SelectArgs a) {
       ls[kList - 1] = -INFINITY, li[kList - 1] = INT_MAX;
     }
   }
+  return n;
+}
+
+__global__ void __launch_bounds__(kThreads) select_kernel(const SelectArgs a) {
+  griddep_wait();  // the page scores (launched programmatically after the score kernel)
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t item = int64_t(blockIdx.x) * (kThreads / 32) + warp;
+  if (item >= (a.row_end - a.row_begin) * a.hi) return;
+  const int64_t row = a.row_begin + item / a.hi;
+  const int g = int(item % a.hi);
+  const int32_t pos = a.positions[row];
+  const int64_t nvis = pos < 0 ? 0 : pos / kPageSize + 1;
+  int32_t* out = a.out + (int64_t(g) * a.total_q + row) * a.topk;
+  int n = 0;
+  if (nvis <= a.topk) {
+    for (int s = lane; s < a.topk; s += 32) out[s] = s < nvis ? s : -1;
+    return;
+  }
+  const int64_t local_begin = nvis - a.local_blocks;
+  const int64_t init_end = min(int64_t(a.init_blocks), local_begin);
+  const int slots = a.topk - int(init_end) - a.local_blocks;
+  for (int64_t b = lane; b < init_end; b += 32) out[b] = int32_t(b);
+  n = int(init_end);
+  const float* score = a.scores + ((row - a.row_begin) * a.hi + g) * a.score_stride;
+  if (local_begin - init_end <= 32) {
+    // At most one history page a lane: its place in the order is the number of pages that
+    // rank before it (31 independent comparisons instead of `slots` rounds of a warp argmax).
+    const int64_t b = init_end + lane;
+    float cs = -INFINITY;
+    int ci = INT_MAX;
+    if (b < local_begin && !isnan(score[b])) cs = score[b], ci = int(b);
+    int rank = 0;
+#pragma unroll
+    for (int o = 1; o < 32; ++o) {
+      const float os = __shfl_sync(0xffffffffu, cs, (lane + o) & 31);
+      const int oid = __shfl_sync(0xffffffffu, ci, (lane + o) & 31);
+      rank += ranks_before(os, oid, cs, ci) ? 1 : 0;
+    }
+    if (ci != INT_MAX && rank < slots) out[n + rank] = ci;
+    n += min(slots, __popc(__ballot_sync(0xffffffffu, ci != INT_MAX)));
+  } else {
+    n += select_history(score, init_end, local_begin, slots, out + n, lane);
+  }
   for (int64_t b = local_begin + lane; b < nvis; b += 32) out[n + (b - local_begin)] = int32_t(b);
   n += int(nvis - local_begin);
   for (int s = n + lane; s < a.topk; s += 32) out[s] = -1;
+  griddep_launch_dependents();  // the attention may start its launch
 }
 
 // Scores of `history` logical pages for `tiles` tiles of rows. Runs of pages per CTA: as long
@@ -619,8 +649,8 @@ void paged_indexer(const InferencePlan& plan, const PagedIndexerParams& p, const
       else launch_scores_for<PrefillScores>(q_fp8, k_fp8, sa, tiles, history, stream);
     }
     const int64_t items = (r1 - r0) * hi;
-    select_kernel<<<unsigned(ceil_div(items, kThreads / 32)), kThreads, 0, stream>>>(se);
-    MSA_CUDA_CHECK_LAUNCH("paged_indexer select_kernel");
+    launch_programmatic("paged_indexer select_kernel", select_kernel, dim3(unsigned(ceil_div(items, kThreads / 32))),
+                        dim3(kThreads), 0, stream, se);
   }
 }
 
