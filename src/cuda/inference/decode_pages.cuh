@@ -121,7 +121,6 @@ __device__ __forceinline__ int collect_pages(const AttnArgs& a, SplitPages& ctl,
 
 // The wgmma kernel (paged_decode_wgmma.cu): bf16 and FP8 caches (scales of every kind); grid
 // = (tiles, Hkv, splits); `k_map` / `v_map` are the caches' 4-D page maps (paged_cache_map).
-bool wgmma_supports(KvFormat f);
 void launch_wgmma(KvFormat f, const AttnArgs& a, const CUtensorMap& k_map, const CUtensorMap& v_map, dim3 grid,
                   cudaStream_t stream);
 // CTAs of that kernel an SM holds at once (the fewest over its formats).

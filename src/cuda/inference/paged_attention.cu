@@ -1,15 +1,14 @@
-// Decode attention over the paged K/V caches on the GPU (split-K). Paged prefill runs on the
-// training forward instead (paged_prefill.cu); paged_attention hands prefill plans to it.
+// Decode attention over the paged K/V caches on the GPU (split-K): the host side for every
+// format, and the mma.sync kernel that NVFP4 caches run on; bf16 and FP8 caches run on the
+// wgmma kernel (paged_decode_wgmma.cu). Paged prefill runs on the training forward instead
+// (paged_prefill.cu); paged_attention hands prefill plans to it.
 //
-// CTA = (a tile of R <= 8 query rows, KV head g, split s); R = Q for Q <= 8 queries per request,
-// ceil(Q / 2) above. The CTA builds the union of the (request, page) pairs its rows selected,
-// and split s takes the distinct pages s * U / S .. (s + 1) * U / S - 1 of that union of U:
-// every distinct page is streamed once per (tile, KV head) whatever the split count, and the
-// splits get equal shares of it. Pages arrive by TMA (one thread, one box per column half and
-// side, an mbarrier per stage) into a ring of 2-4 stages, so the next pages are in flight while
-// one is used, and the two pages after them are prefetched into L2; FP8 / NVFP4 codes are
-// widened to exact bf16 values in shared memory (NVFP4 through a per-CTA table of its 256 x 16
-// (block scale, code) values; its block scales, 8 bytes a row, come by cp.async).
+// CTA = (a tile of R <= 8 query rows, KV head g, split s): step 1, the split's distinct pages,
+// is decode_pages.cuh's. Pages arrive by TMA (one thread, one box a side, an mbarrier per
+// stage) into a ring of 2-4 stages, so the next pages are in flight while one is used, and the
+// two pages after them are prefetched into L2; the NVFP4 codes are widened to exact bf16
+// values in shared memory through a per-CTA table of the 256 x 16 (block scale, code) values
+// (block scales, 8 bytes a row, come by cp.async).
 //
 // The work of a page is spread over all 16 warps whatever rows selected it (at long contexts
 // most pages are selected by one row of a step): for each selecting row, warp w computes the
@@ -17,9 +16,9 @@
 // are the m16 tile), the warps exchange their maxima, write the probabilities P as a bf16 tile,
 // and warp w accumulates output dims 8w .. 8w + 7 of O += P V. The online-softmax max of a
 // (row, head) is shared (shared memory), the sums are per warp and added at the end. Scales:
-// per-tensor K scales (FP8, NVFP4 global) and the softmax scale multiply the logits, per-token
-// K scales each logit column, per-token V scales the probabilities fed to P V, per-tensor V
-// scales the output. Splits > 1 write normalised partial states that merge_states combines by
+// the per-tensor (global) K scale and the softmax scale multiply the logits, per-token K
+// scales each logit column, per-token V scales the probabilities fed to P V, the per-tensor V
+// scale the output. Splits > 1 write normalised partial states that merge_states combines by
 // LSE; the plan picks the split count (src/core/decode_splits.h).
 #include <algorithm>
 #include <cstddef>
@@ -54,7 +53,6 @@ constexpr int kChunk = 16;                          // bytes of one cp.async / l
 constexpr int kKeySteps = kHeadDim / 16;            // k16 steps of S = Q K^T
 constexpr int kTokenSteps = kPageSize / 16;         // k16 steps of O += P V
 constexpr int kBf16RowChunks = kHeadDim * 2 / kChunk;      // 16-byte chunks of a bf16 128-row
-constexpr int kFp8RowChunks = kHeadDim / kChunk;           // ... of an E4M3 row
 constexpr int kFp4RowChunks = kNvfp4RowBytes / kChunk;     // ... of an NVFP4 row (two codes a byte)
 constexpr int kSharedLimit = 227 * 1024;
 constexpr int kPrefetchPages = 2;                   // pages past the ring's newest brought into L2
@@ -74,24 +72,9 @@ constexpr int kHeadTileBytes = int(sizeof(HeadTile));
 
 
 // One page of the cache (K and V of one KV head) as it arrives from global memory: side 0 = K,
-// side 1 = V. bf16 rows land directly in the swizzled tiles the MMAs read (two TMA boxes a
-// side, one per column half); FP8 / NVFP4 codes land row-major (one box a side) and are
-// widened into PageTiles afterwards.
+// side 1 = V; the codes land row-major (one box a side) and are widened into PageTiles.
 template <KvFormat F>
 struct KvStage;
-template <>
-struct KvStage<KvFormat::bf16> {
-  static constexpr int kBoxes = 2, kBoxBytes = kPageSize * 128;  // per side
-  PageTile side[2];
-};
-template <>
-struct KvStage<KvFormat::fp8_e4m3> {
-  static constexpr int kBoxes = 1, kBoxBytes = kPageSize * kHeadDim;
-  uint8_t codes[2][kPageSize][kHeadDim];
-  static __device__ __forceinline__ uint32_t chunk(int side, int t, int c) {
-    return side * (kPageSize * kHeadDim) + t * kHeadDim + c * kChunk;
-  }
-};
 template <>
 struct KvStage<KvFormat::nvfp4> {
   static constexpr int kBoxes = 1, kBoxBytes = kPageSize * kNvfp4RowBytes;
@@ -120,7 +103,6 @@ struct alignas(16) PageSet {
 struct WidenedPage {
   PageTile side[2];
 };
-struct NoTiles {};
 // NVFP4 values by (block scale code, E2M1 code): bf16 bits of E4M3(e2m1 * scale), the value the
 // format defines; built once per CTA, so widening a code is one shared-memory load.
 struct Nvfp4Table {
@@ -130,7 +112,7 @@ struct Nvfp4Table {
 // Stages of the page ring for a format and tile size: as many (up to 4) as shared memory holds.
 template <int R, KvFormat F>
 constexpr int fixed_shared_bytes() {
-  return 1024 + (F == KvFormat::bf16 ? 0 : int(sizeof(WidenedPage))) + (F == KvFormat::nvfp4 ? int(sizeof(Nvfp4Table)) : 0) +
+  return 1024 + int(sizeof(WidenedPage)) + int(sizeof(Nvfp4Table)) +
          2 * R * kHeadTileBytes + int(sizeof(PageSet)) + 16;
 }
 template <int R, KvFormat F>
@@ -147,8 +129,8 @@ struct SharedStorage {
   KvStage<F> stage[kStages];
   HeadTile q[R];  // queries of each row
   HeadTile p[R];  // probabilities of each row over the page in use
-  std::conditional_t<F == KvFormat::bf16, NoTiles, WidenedPage> converted;  // K, V widened from a quantised stage
-  std::conditional_t<F == KvFormat::nvfp4, Nvfp4Table, NoTiles> nvfp4;
+  WidenedPage converted;  // K, V widened from the stage in use
+  Nvfp4Table nvfp4;
   SplitPages pages;
   PageSet set;
 };
@@ -216,28 +198,14 @@ __device__ __forceinline__ uint32_t ld_shared_u16(uint32_t addr) {
   return v;
 }
 
-// Widens a quantised stage into the bf16 K and V tiles (`tiles`: the converted PageTile pair;
-// `table`: the Nvfp4Table for NVFP4 pages).
+// Widens an NVFP4 stage into the bf16 K and V tiles (`tiles`: the converted PageTile pair;
+// `table`: the Nvfp4Table).
 template <KvFormat F>
 __device__ __forceinline__ void convert_page(uint32_t stage, uint32_t tiles, uint32_t table) {
   using Stage = KvStage<F>;
   const int tid = threadIdx.x;
-  if constexpr (F == KvFormat::fp8_e4m3) {
-    for (int i = tid; i < 2 * kPageSize * kFp8RowChunks; i += kThreads) {
-      const int side = i / (kPageSize * kFp8RowChunks), t = (i / kFp8RowChunks) % kPageSize, c = i % kFp8RowChunks;
-      const uint4 raw = ld_shared_v4(stage + Stage::chunk(side, t, c));
-      const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-      uint32_t o[8];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        o[2 * j] = bf16x2_bits(e4m3_to_f32(uint8_t(w[j])), e4m3_to_f32(uint8_t(w[j] >> 8)));
-        o[2 * j + 1] = bf16x2_bits(e4m3_to_f32(uint8_t(w[j] >> 16)), e4m3_to_f32(uint8_t(w[j] >> 24)));
-      }
-      const uint32_t tile = tiles + side * kPageTileBytes;  // 16 codes -> bf16 chunks 2c, 2c + 1
-      st_shared_v4(tile + tile_offset(kPageSize, t, 2 * c), o[0], o[1], o[2], o[3]);
-      st_shared_v4(tile + tile_offset(kPageSize, t, 2 * c + 1), o[4], o[5], o[6], o[7]);
-    }
-  } else if constexpr (F == KvFormat::nvfp4) {
+  static_assert(F == KvFormat::nvfp4, "this kernel runs NVFP4 caches");
+  {
     for (int i = tid; i < 2 * kPageSize * kFp4RowChunks; i += kThreads) {
       const int side = i / (kPageSize * kFp4RowChunks), t = (i / kFp4RowChunks) % kPageSize,
                 c = i % kFp4RowChunks;  // elements 32c .. 32c + 31: block scales 2c, 2c + 1
@@ -357,11 +325,9 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbar_wait(full_at(u), (u / kStages) & 1);
     __syncthreads();
     const uint32_t stage = stage_at(u);
-    if constexpr (F != KvFormat::bf16) {
-      convert_page<F>(stage, converted, table);
-      __syncthreads();
-    }
-    const uint32_t k_tile = F == KvFormat::bf16 ? stage : converted;
+    convert_page<F>(stage, converted, table);
+    __syncthreads();
+    const uint32_t k_tile = converted;
     const uint32_t v_tile = k_tile + kPageTileBytes;
     const uint32_t selected = list.page_rows[u];
     const int32_t logical = list.page_logical[u];
@@ -554,25 +520,16 @@ int ctas_per_sm() {
   return n;
 }
 
-// The fewest CTAs per SM over the formats (the plan does not know the cache's format); the
-// wgmma kernel's count joins them in decode_attention_concurrency.
+// CTAs per SM of the NVFP4 instance (decode_attention_concurrency takes the fewer of it and
+// the wgmma kernel's: the plan does not know the cache's format).
 template <int R>
-int min_ctas_per_sm() {
-  return std::min({ctas_per_sm<R, KvFormat::bf16>(), ctas_per_sm<R, KvFormat::fp8_e4m3>(), ctas_per_sm<R, KvFormat::nvfp4>()});
+int nvfp4_ctas_per_sm() {
+  return ctas_per_sm<R, KvFormat::nvfp4>();
 }
 
 // The kernel instance for a tile of `rows` rows: R = the next power of two.
 int rows_instance(int rows) { return rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ? 4 : 8; }
 
-template <int R>
-void launch_format(KvFormat f, const AttnArgs& a, const CUtensorMap& k_map, const CUtensorMap& v_map, dim3 grid,
-                   cudaStream_t stream) {
-  switch (f) {
-    case KvFormat::bf16: return launch<R, KvFormat::bf16>(a, k_map, v_map, grid, stream);
-    case KvFormat::fp8_e4m3: return launch<R, KvFormat::fp8_e4m3>(a, k_map, v_map, grid, stream);
-    case KvFormat::nvfp4: return launch<R, KvFormat::nvfp4>(a, k_map, v_map, grid, stream);
-  }
-}
 
 }  // namespace
 
@@ -614,17 +571,16 @@ void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, c
     a.part_lse = static_cast<float*>(plan.partial_lse.data());
   }
   const dim3 grid(unsigned(ceil_div(T, a.rows_per_tile)), unsigned(topo.num_kv_heads), unsigned(splits));
-  if (wgmma_supports(c.format)) {  // merges the splits itself
+  if (c.format != KvFormat::nvfp4) {  // bf16 / FP8: the wgmma kernel, which merges the splits itself
     a.arrivals = static_cast<int32_t*>(plan.split_arrivals.data());
     detail::require(splits == 1 || a.arrivals, "paged_attention: the decode plan has no split arrival counts (build it on the CUDA device)");
     return launch_wgmma(c.format, a, k_map, v_map, grid, stream);
-  } else {
-    switch (rows_instance(a.rows_per_tile)) {
-      case 1: launch_format<1>(c.format, a, k_map, v_map, grid, stream); break;
-      case 2: launch_format<2>(c.format, a, k_map, v_map, grid, stream); break;
-      case 4: launch_format<4>(c.format, a, k_map, v_map, grid, stream); break;
-      default: launch_format<8>(c.format, a, k_map, v_map, grid, stream); break;
-    }
+  }
+  switch (rows_instance(a.rows_per_tile)) {  // NVFP4
+    case 1: launch<1, KvFormat::nvfp4>(a, k_map, v_map, grid, stream); break;
+    case 2: launch<2, KvFormat::nvfp4>(a, k_map, v_map, grid, stream); break;
+    case 4: launch<4, KvFormat::nvfp4>(a, k_map, v_map, grid, stream); break;
+    default: launch<8, KvFormat::nvfp4>(a, k_map, v_map, grid, stream); break;
   }
 
   if (splits > 1) {
@@ -645,10 +601,10 @@ int64_t decode_attention_concurrency(int device, int q_len_per_req) {
     std::lock_guard<std::mutex> lock(mutex);
     int& cached = per_sm[R == 1 ? 0 : R == 2 ? 1 : R == 4 ? 2 : 3];
     if (cached == 0)
-      cached = std::max(1, std::min(decode::wgmma_ctas_per_sm(R), R == 1   ? min_ctas_per_sm<1>()
-                                                                  : R == 2 ? min_ctas_per_sm<2>()
-                                                                  : R == 4 ? min_ctas_per_sm<4>()
-                                                                           : min_ctas_per_sm<8>()));
+      cached = std::max(1, std::min(decode::wgmma_ctas_per_sm(R), R == 1   ? nvfp4_ctas_per_sm<1>()
+                                                                  : R == 2 ? nvfp4_ctas_per_sm<2>()
+                                                                  : R == 4 ? nvfp4_ctas_per_sm<4>()
+                                                                           : nvfp4_ctas_per_sm<8>()));
     n = cached;
   }
   return int64_t(sm_count()) * n;

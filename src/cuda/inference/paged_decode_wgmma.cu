@@ -594,11 +594,10 @@ int ctas_per_sm() {
 
 }  // namespace
 
-bool wgmma_supports(KvFormat f) { return f == KvFormat::bf16 || f == KvFormat::fp8_e4m3; }
-
 void launch_wgmma(KvFormat f, const AttnArgs& a, const CUtensorMap& k_map, const CUtensorMap& v_map, dim3 grid,
                   cudaStream_t stream) {
   const bool one = a.rows_per_tile <= kRowsPerWarpgroup;
+  detail::require(f != KvFormat::nvfp4, "paged_decode_wgmma_kernel: NVFP4 caches run on the mma.sync kernel");
   if (f == KvFormat::bf16) one ? launch<1, KvFormat::bf16>(a, k_map, v_map, grid, stream)
                                : launch<2, KvFormat::bf16>(a, k_map, v_map, grid, stream);
   else one ? launch<1, KvFormat::fp8_e4m3>(a, k_map, v_map, grid, stream)
