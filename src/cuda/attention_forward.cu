@@ -300,9 +300,7 @@ __device__ bool load_key_block(const ForwardArgs& a, const TaskBlock& blk, const
     load_widened<Kind>(rows.k + key * a.kv.k_row, rows.ksf + key * a.kv.ksf_row, ch, key < nkeys, x);
 #pragma unroll
     for (int o = 0; o < kOut; ++o)
-      asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(ks + tile_offset(kTileRows, key, kOut * ch + o)),
-                   "r"(x[4 * o]), "r"(x[4 * o + 1]), "r"(x[4 * o + 2]), "r"(x[4 * o + 3])
-                   : "memory");
+      st_shared_v4(ks + tile_offset(kTileRows, key, kOut * ch + o), x[4 * o], x[4 * o + 1], x[4 * o + 2], x[4 * o + 3]);
   }
   // A warp covers 32 consecutive keys of one chunk column: its 2-byte stores hit one row.
   bool any_nonfinite = false;

@@ -200,9 +200,7 @@ __device__ __forceinline__ bool finite_copy(uint32_t src, uint32_t dst) {
   if (!__syncthreads_or(bad)) return false;
   for (int i = threadIdx.x; i < kChunks; i += kWalkerThreads) {
     const uint4 v = ld_shared_v4(src + 16 * i);
-    asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(dst + 16 * i), "r"(finite_bf16x2(v.x)),
-                 "r"(finite_bf16x2(v.y)), "r"(finite_bf16x2(v.z)), "r"(finite_bf16x2(v.w))
-                 : "memory");
+    st_shared_v4(dst + 16 * i, finite_bf16x2(v.x), finite_bf16x2(v.y), finite_bf16x2(v.z), finite_bf16x2(v.w));
   }
   fence_proxy_async();
   return true;

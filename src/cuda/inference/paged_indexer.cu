@@ -123,8 +123,7 @@ __device__ __forceinline__ void store_q_tile(const ScoreArgs& a, uint32_t q_tile
     uint4 val = make_uint4(0, 0, 0, 0);
     if (vec < nv) load_q_chunk<QFp8>(a, first_row + vec / a.hi, vec % a.hi, chunk, val);
     const uint32_t d = q_tile + tile_offset(kVectors, vec, chunk);
-    asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(d), "r"(val.x), "r"(val.y), "r"(val.z), "r"(val.w)
-                 : "memory");
+    st_shared_v4(d, val.x, val.y, val.z, val.w);
   }
 }
 
@@ -165,14 +164,12 @@ __device__ __forceinline__ void store_page(uint32_t tile, const PageRegs<KFp8, N
         o[2 * j + 1] = bf16x2_bits(e4m3_to_f32(uint8_t(w[j] >> 16)), e4m3_to_f32(uint8_t(w[j] >> 24)));
       }
       const uint32_t d0 = tile + tile_offset(kPageSize, t, 2 * col), d1 = tile + tile_offset(kPageSize, t, 2 * col + 1);
-      asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(d0), "r"(o[0]), "r"(o[1]), "r"(o[2]), "r"(o[3]) : "memory");
-      asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(d1), "r"(o[4]), "r"(o[5]), "r"(o[6]), "r"(o[7]) : "memory");
+      st_shared_v4(d0, o[0], o[1], o[2], o[3]);
+      st_shared_v4(d1, o[4], o[5], o[6], o[7]);
     } else {
       const int t = c / kBf16RowChunks, col = c % kBf16RowChunks;
       const uint32_t d = tile + tile_offset(kPageSize, t, col);
-      asm volatile("st.shared.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"r"(d), "r"(regs.r[i].x), "r"(regs.r[i].y),
-                   "r"(regs.r[i].z), "r"(regs.r[i].w)
-                   : "memory");
+      st_shared_v4(d, regs.r[i].x, regs.r[i].y, regs.r[i].z, regs.r[i].w);
     }
   }
 }
