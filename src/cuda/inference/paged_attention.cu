@@ -23,7 +23,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <mutex>
-#include <type_traits>
 
 #include "attention_state.h"
 #include "backend.h"
@@ -72,12 +71,9 @@ constexpr int kHeadTileBytes = int(sizeof(HeadTile));
 
 
 // One page of the cache (K and V of one KV head) as it arrives from global memory: side 0 = K,
-// side 1 = V; the codes land row-major (one box a side) and are widened into PageTiles.
-template <KvFormat F>
-struct KvStage;
-template <>
-struct KvStage<KvFormat::nvfp4> {
-  static constexpr int kBoxes = 1, kBoxBytes = kPageSize * kNvfp4RowBytes;
+// side 1 = V; the NVFP4 codes land row-major (one TMA box a side) and are widened into PageTiles.
+struct KvStage {
+  static constexpr int kBoxBytes = kPageSize * kNvfp4RowBytes;
   uint8_t codes[2][kPageSize][kNvfp4RowBytes];
   uint8_t block_scales[2][kPageSize][kNvfp4RowScales];  // one 8-byte copy a row
   static __device__ __forceinline__ uint32_t chunk(int side, int t, int c) {
@@ -88,8 +84,7 @@ struct KvStage<KvFormat::nvfp4> {
   }
 };
 static_assert(kNvfp4RowScales == 8, "an NVFP4 row's block scales are one 8-byte copy");
-template <KvFormat F>
-inline constexpr uint32_t kStageTmaBytes = 2 * KvStage<F>::kBoxes * KvStage<F>::kBoxBytes;
+constexpr uint32_t kStageTmaBytes = 2 * KvStage::kBoxBytes;
 
 // Per tile row, the softmax bookkeeping the warps share (the split's pages: SplitPages).
 struct alignas(16) PageSet {
@@ -109,24 +104,24 @@ struct Nvfp4Table {
   uint16_t value[256][16];
 };
 
-// Stages of the page ring for a format and tile size: as many (up to 4) as shared memory holds.
-template <int R, KvFormat F>
+// Stages of the page ring for a tile size: as many (up to 4) as shared memory holds.
+template <int R>
 constexpr int fixed_shared_bytes() {
   return 1024 + int(sizeof(WidenedPage)) + int(sizeof(Nvfp4Table)) +
          2 * R * kHeadTileBytes + int(sizeof(PageSet)) + 16;
 }
-template <int R, KvFormat F>
+template <int R>
 constexpr int stage_count() {
   int s = 4;
-  while (s > 2 && fixed_shared_bytes<R, F>() + s * int(sizeof(KvStage<F>)) > kSharedLimit) --s;
+  while (s > 2 && fixed_shared_bytes<R>() + s * int(sizeof(KvStage)) > kSharedLimit) --s;
   return s;
 }
 
 // Shared memory of paged_attention_kernel (from a 1024-byte aligned base).
-template <int R, KvFormat F>
+template <int R>
 struct SharedStorage {
-  static constexpr int kStages = stage_count<R, F>();
-  KvStage<F> stage[kStages];
+  static constexpr int kStages = stage_count<R>();
+  KvStage stage[kStages];
   HeadTile q[R];  // queries of each row
   HeadTile p[R];  // probabilities of each row over the page in use
   WidenedPage converted;  // K, V widened from the stage in use
@@ -135,10 +130,10 @@ struct SharedStorage {
   PageSet set;
 };
 
-template <int R, KvFormat F>
+template <int R>
 constexpr int smem_bytes() {
-  using S = SharedStorage<R, F>;
-  static_assert(sizeof(KvStage<F>) % 1024 == 0 && offsetof(S, converted) % 1024 == 0 && offsetof(S, q) % 1024 == 0 &&
+  using S = SharedStorage<R>;
+  static_assert(sizeof(KvStage) % 1024 == 0 && offsetof(S, converted) % 1024 == 0 && offsetof(S, q) % 1024 == 0 &&
                     offsetof(S, p) % 1024 == 0,
                 "paged_attention_kernel: swizzled tiles must be 1024-byte aligned");
   static_assert(S::kStages <= 4, "PageSet::full holds 4 stages");
@@ -165,30 +160,23 @@ __device__ __forceinline__ void load_b_kn_2k(uint32_t (&b)[4], uint32_t tile, in
 // The copies of one page (both sides) into a stage: TMA boxes of the K and V maps by thread 0,
 // signalling the stage's barrier; NVFP4 block scales by cp.async from threads (side, token),
 // zero past the tokens read.
-template <KvFormat F>
 __device__ __forceinline__ void issue_page(const AttnArgs& a, const CUtensorMap* k_map, const CUtensorMap* v_map,
                                            uint32_t stage, uint32_t full, int32_t phys, int g, int nmax) {
-  using Stage = KvStage<F>;
   const int tid = threadIdx.x;
   if (tid == 0) {
     const uint64_t policy = l2_evict_first();
-    mbar_arrive_expect_tx(full, kStageTmaBytes<F>);
+    mbar_arrive_expect_tx(full, kStageTmaBytes);
 #pragma unroll
     for (int side = 0; side < 2; ++side)
-#pragma unroll
-      for (int box = 0; box < Stage::kBoxes; ++box)
-        tma_load_4d(stage + uint32_t((side * Stage::kBoxes + box) * Stage::kBoxBytes), side ? v_map : k_map, box * 64, 0, g,
-                    phys, full, policy);
+      tma_load_4d(stage + uint32_t(side * KvStage::kBoxBytes), side ? v_map : k_map, 0, 0, g, phys, full, policy);
   }
-  if constexpr (F == KvFormat::nvfp4) {
-    if (tid < 2 * kPageSize) {
-      const int side = tid / kPageSize, t = tid % kPageSize;
-      const bool ok = t < nmax;
-      const uint8_t* ks = a.kv.k_block_scale + phys * a.kv.ksf_page + g * a.kv.ksf_head;
-      const uint8_t* vs = a.kv.v_block_scale + phys * a.kv.vsf_page + g * a.kv.vsf_head;
-      const uint8_t* src = side ? vs + t * a.kv.vsf_row : ks + t * a.kv.ksf_row;
-      cp_async8(stage + Stage::scales(side, t), ok ? src : ks, ok ? kNvfp4RowScales : 0);
-    }
+  if (tid < 2 * kPageSize) {
+    const int side = tid / kPageSize, t = tid % kPageSize;
+    const bool ok = t < nmax;
+    const uint8_t* ks = a.kv.k_block_scale + phys * a.kv.ksf_page + g * a.kv.ksf_head;
+    const uint8_t* vs = a.kv.v_block_scale + phys * a.kv.vsf_page + g * a.kv.vsf_head;
+    const uint8_t* src = side ? vs + t * a.kv.vsf_row : ks + t * a.kv.ksf_row;
+    cp_async8(stage + KvStage::scales(side, t), ok ? src : ks, ok ? kNvfp4RowScales : 0);
   }
 }
 
@@ -200,41 +188,36 @@ __device__ __forceinline__ uint32_t ld_shared_u16(uint32_t addr) {
 
 // Widens an NVFP4 stage into the bf16 K and V tiles (`tiles`: the converted PageTile pair;
 // `table`: the Nvfp4Table).
-template <KvFormat F>
 __device__ __forceinline__ void convert_page(uint32_t stage, uint32_t tiles, uint32_t table) {
-  using Stage = KvStage<F>;
   const int tid = threadIdx.x;
-  static_assert(F == KvFormat::nvfp4, "this kernel runs NVFP4 caches");
-  {
-    for (int i = tid; i < 2 * kPageSize * kFp4RowChunks; i += kThreads) {
-      const int side = i / (kPageSize * kFp4RowChunks), t = (i / kFp4RowChunks) % kPageSize,
-                c = i % kFp4RowChunks;  // elements 32c .. 32c + 31: block scales 2c, 2c + 1
-      const uint4 raw = ld_shared_v4(stage + Stage::chunk(side, t, c));
-      const uint2 sf = ld_shared_v2(stage + Stage::scales(side, t));
-      const uint32_t scales = (c < 2 ? sf.x : sf.y) >> (16 * (c & 1));  // codes of blocks 2c, 2c + 1
-      const uint32_t block[2] = {table + (scales & 0xffu) * 32u, table + ((scales >> 8) & 0xffu) * 32u};
-      const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-      uint32_t o[16];
+  for (int i = tid; i < 2 * kPageSize * kFp4RowChunks; i += kThreads) {
+    const int side = i / (kPageSize * kFp4RowChunks), t = (i / kFp4RowChunks) % kPageSize,
+              c = i % kFp4RowChunks;  // elements 32c .. 32c + 31: block scales 2c, 2c + 1
+    const uint4 raw = ld_shared_v4(stage + KvStage::chunk(side, t, c));
+    const uint2 sf = ld_shared_v2(stage + KvStage::scales(side, t));
+    const uint32_t scales = (c < 2 ? sf.x : sf.y) >> (16 * (c & 1));  // codes of blocks 2c, 2c + 1
+    const uint32_t block[2] = {table + (scales & 0xffu) * 32u, table + ((scales >> 8) & 0xffu) * 32u};
+    const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+    uint32_t o[16];
 #pragma unroll
-      for (int j = 0; j < 4; ++j)  // word j: elements 32c + 8j .. + 7, block 2c for j < 2
+    for (int j = 0; j < 4; ++j)  // word j: elements 32c + 8j .. + 7, block 2c for j < 2
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const uint32_t byte = (w[j] >> (8 * e)) & 0xffu;
-          o[4 * j + e] = ld_shared_u16(block[j / 2] + (byte & 0xfu) * 2) | (ld_shared_u16(block[j / 2] + (byte >> 4) * 2) << 16);
-        }
-      const uint32_t tile = tiles + side * kPageTileBytes;
+      for (int e = 0; e < 4; ++e) {
+        const uint32_t byte = (w[j] >> (8 * e)) & 0xffu;
+        o[4 * j + e] = ld_shared_u16(block[j / 2] + (byte & 0xfu) * 2) | (ld_shared_u16(block[j / 2] + (byte >> 4) * 2) << 16);
+      }
+    const uint32_t tile = tiles + side * kPageTileBytes;
 #pragma unroll
-      for (int q = 0; q < 4; ++q)
-        st_shared_v4(tile + tile_offset(kPageSize, t, 4 * c + q), o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
-    }
+    for (int q = 0; q < 4; ++q)
+      st_shared_v4(tile + tile_offset(kPageSize, t, 4 * c + q), o[4 * q], o[4 * q + 1], o[4 * q + 2], o[4 * q + 3]);
   }
 }
 
-template <int R, KvFormat F>
+template <int R>
 __global__ void __launch_bounds__(kThreads, 1)
     paged_attention_kernel(const AttnArgs a, const __grid_constant__ CUtensorMap k_map,
                            const __grid_constant__ CUtensorMap v_map) {
-  using Storage = SharedStorage<R, F>;
+  using Storage = SharedStorage<R>;
   constexpr int kStages = Storage::kStages;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = align1024(smem_addr(smem_raw));
@@ -247,7 +230,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const uint32_t p_tiles = base + uint32_t(offsetof(Storage, p));
   const uint32_t full0 = smem_addr(&ctl.full[0]);
   const uint32_t table = base + uint32_t(offsetof(Storage, nvfp4));
-  auto stage_at = [&](int u) { return stage0 + uint32_t((u % kStages) * int(sizeof(KvStage<F>))); };
+  auto stage_at = [&](int u) { return stage0 + uint32_t((u % kStages) * int(sizeof(KvStage))); };
   auto full_at = [&](int u) { return full0 + uint32_t((u % kStages) * 8); };
 
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
@@ -260,11 +243,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (tid < kStages) mbar_init(full0 + 8 * tid, 1);
   if (tid < R * kGroupSize) ctl.row_max[0][tid / kGroupSize][tid % kGroupSize] = -INFINITY;
   if (tid < R) ctl.row_position[tid] = tid < nrows ? a.positions[r0 + tid] : -1;
-  if constexpr (F == KvFormat::nvfp4)
-    for (int i = tid; i < 256 * 16; i += kThreads) {
-      const float value = e4m3_to_f32(nvfp4_to_e4m3(uint32_t(i % 16), e4m3_to_f32(uint8_t(i / 16))));
-      smem.nvfp4.value[i / 16][i % 16] = uint16_t(bf16x2_bits(value, 0.0f));
-    }
+  for (int i = tid; i < 256 * 16; i += kThreads) {
+    const float value = e4m3_to_f32(nvfp4_to_e4m3(uint32_t(i % 16), e4m3_to_f32(uint8_t(i / 16))));
+    smem.nvfp4.value[i / 16][i % 16] = uint16_t(bf16x2_bits(value, 0.0f));
+  }
   const int pages = collect_pages(a, list, r0, nrows, g, split);
 
   // 2. Query tiles of the rows (16 heads x 128 each): the first cp.async group.
@@ -301,15 +283,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Page u into its stage, and the kPrefetchPages pages after it into L2: the ring holds 2-4
   // pages, too few bytes in flight per SM to cover the memory latency under load on its own.
   auto issue = [&](int u) {
-    issue_page<F>(a, &k_map, &v_map, stage_at(u), full_at(u), list.page_physical[u], g, list.page_tokens[u]);
+    issue_page(a, &k_map, &v_map, stage_at(u), full_at(u), list.page_physical[u], g, list.page_tokens[u]);
     if (tid == 0) {
       const int first = u == 0 ? 1 : u + kPrefetchPages, last = min(u + kPrefetchPages, pages - 1);
       for (int j = first; j <= last; ++j)
 #pragma unroll
-        for (int side = 0; side < 2; ++side)
-#pragma unroll
-          for (int box = 0; box < KvStage<F>::kBoxes; ++box)
-            tma_prefetch_4d(side ? &v_map : &k_map, box * 64, 0, g, list.page_physical[j]);
+        for (int side = 0; side < 2; ++side) tma_prefetch_4d(side ? &v_map : &k_map, 0, 0, g, list.page_physical[j]);
     }
   };
 #pragma unroll
@@ -325,7 +304,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbar_wait(full_at(u), (u / kStages) & 1);
     __syncthreads();
     const uint32_t stage = stage_at(u);
-    convert_page<F>(stage, converted, table);
+    convert_page(stage, converted, table);
     __syncthreads();
     const uint32_t k_tile = converted;
     const uint32_t v_tile = k_tile + kPageTileBytes;
@@ -495,36 +474,31 @@ __global__ void __launch_bounds__(kThreads, 1)
 }
 
 // Lets the kernel take its shared memory (once per process).
-template <int R, KvFormat F>
+template <int R>
 void configure() {
-  constexpr int smem = smem_bytes<R, F>();
+  constexpr int smem = smem_bytes<R>();
   static_assert(smem <= kSharedLimit, "shared memory of paged_attention_kernel");
   static std::once_flag once;
   std::call_once(once, [] {
-    MSA_CUDA_CHECK(cudaFuncSetAttribute(paged_attention_kernel<R, F>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    MSA_CUDA_CHECK(cudaFuncSetAttribute(paged_attention_kernel<R>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   });
 }
 
-template <int R, KvFormat F>
+template <int R>
 void launch(const AttnArgs& a, const CUtensorMap& k_map, const CUtensorMap& v_map, dim3 grid, cudaStream_t stream) {
-  configure<R, F>();
-  paged_attention_kernel<R, F><<<grid, kThreads, smem_bytes<R, F>(), stream>>>(a, k_map, v_map);
+  configure<R>();
+  paged_attention_kernel<R><<<grid, kThreads, smem_bytes<R>(), stream>>>(a, k_map, v_map);
   MSA_CUDA_CHECK_LAUNCH("paged_attention_kernel");
 }
 
-template <int R, KvFormat F>
-int ctas_per_sm() {
-  configure<R, F>();
-  int n = 0;
-  MSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, paged_attention_kernel<R, F>, kThreads, smem_bytes<R, F>()));
-  return n;
-}
-
-// CTAs per SM of the NVFP4 instance (decode_attention_concurrency takes the fewer of it and
-// the wgmma kernel's: the plan does not know the cache's format).
+// CTAs per SM of the NVFP4 kernel (decode_attention_concurrency takes the fewer of it and the
+// wgmma kernel's: the plan does not know the cache's format).
 template <int R>
 int nvfp4_ctas_per_sm() {
-  return ctas_per_sm<R, KvFormat::nvfp4>();
+  configure<R>();
+  int n = 0;
+  MSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, paged_attention_kernel<R>, kThreads, smem_bytes<R>()));
+  return n;
 }
 
 // The kernel instance for a tile of `rows` rows: R = the next power of two.
@@ -577,10 +551,10 @@ void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, c
     return launch_wgmma(c.format, a, k_map, v_map, grid, stream);
   }
   switch (rows_instance(a.rows_per_tile)) {  // NVFP4
-    case 1: launch<1, KvFormat::nvfp4>(a, k_map, v_map, grid, stream); break;
-    case 2: launch<2, KvFormat::nvfp4>(a, k_map, v_map, grid, stream); break;
-    case 4: launch<4, KvFormat::nvfp4>(a, k_map, v_map, grid, stream); break;
-    default: launch<8, KvFormat::nvfp4>(a, k_map, v_map, grid, stream); break;
+    case 1: launch<1>(a, k_map, v_map, grid, stream); break;
+    case 2: launch<2>(a, k_map, v_map, grid, stream); break;
+    case 4: launch<4>(a, k_map, v_map, grid, stream); break;
+    default: launch<8>(a, k_map, v_map, grid, stream); break;
   }
 
   if (splits > 1) {
