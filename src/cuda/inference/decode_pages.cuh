@@ -53,6 +53,15 @@ __device__ __forceinline__ int visible_keys(int32_t pos, int32_t page) {
   return int(min64(kPageSize, int64_t(pos) - int64_t(page) * kPageSize + 1));
 }
 
+// The masks that keep, of the B fragments of P V's k16 step c (b0: keys 16c + 2q, + 1; b1: keys
+// 16c + 2q + 8, + 9, quad q), the keys below a row's `limit` (x: for b0, y: for b1). Keys past the
+// limit are removed by selection, not by multiplying with P = 0: their values may be inf / NaN.
+__device__ __forceinline__ uint2 keys_below(int c, int limit, int quad) {
+  const int t0 = c * 16 + 2 * quad;
+  return make_uint2((t0 < limit ? 0x0000ffffu : 0u) | (t0 + 1 < limit ? 0xffff0000u : 0u),
+                    (t0 + 8 < limit ? 0x0000ffffu : 0u) | (t0 + 9 < limit ? 0xffff0000u : 0u));
+}
+
 // The distinct pages of a CTA's split. Entry e = (tile row e / 16, slot e % 16).
 struct SplitPages {
   int2 entry_key[kMaxEntries];         // (request, logical page); (-1, -1): selects nothing

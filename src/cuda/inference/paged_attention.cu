@@ -422,9 +422,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         load_a(pa, p_tiles + i * kHeadTileBytes, kGroupSize, 0, c * 16, lane);
         uint32_t b0 = vb[c / 2][2 * (c % 2)], b1 = vb[c / 2][2 * (c % 2) + 1];
         if (c * 16 + 16 > n_row) {
-          const int t0 = c * 16 + 2 * quad;
-          b0 &= (t0 < n_row ? 0x0000ffffu : 0u) | (t0 + 1 < n_row ? 0xffff0000u : 0u);
-          b1 &= (t0 + 8 < n_row ? 0x0000ffffu : 0u) | (t0 + 9 < n_row ? 0xffff0000u : 0u);
+          const uint2 keep = keys_below(c, n_row, quad);
+          b0 &= keep.x;
+          b1 &= keep.y;
         }
         mma_bf16(o[i], pa, b0, b1);
       }

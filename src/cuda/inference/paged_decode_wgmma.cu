@@ -245,10 +245,8 @@ __device__ __forceinline__ void pv_masked(RowState& st, const uint32_t (&p)[8][4
       uint32_t b[4];
       load_b_kn(b, v, kPageSize, c * 16, jj * 16, lane);
       if (c * 16 + 16 > limit) {
-        const int t0 = c * 16 + 2 * quad;
-        const uint32_t lo = (t0 < limit ? 0x0000ffffu : 0u) | (t0 + 1 < limit ? 0xffff0000u : 0u);
-        const uint32_t hi = (t0 + 8 < limit ? 0x0000ffffu : 0u) | (t0 + 9 < limit ? 0xffff0000u : 0u);
-        b[0] &= lo, b[1] &= hi, b[2] &= lo, b[3] &= hi;
+        const uint2 keep = keys_below(c, limit, quad);
+        b[0] &= keep.x, b[1] &= keep.y, b[2] &= keep.x, b[3] &= keep.y;
       }
       const int n0 = 2 * jj, n1 = 2 * jj + 1;  // dim tiles of 8
       mma_bf16(st.o[n0 / 8][n0 % 8], p[c], b[0], b[1]);
