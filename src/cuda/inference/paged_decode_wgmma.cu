@@ -138,13 +138,6 @@ __device__ __forceinline__ void issue_sides(DecodeStorage<Consumers, F>& sm, uin
   }
 }
 
-// Two E4M3 codes (low byte first) -> their bf16 pair, exactly.
-__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t codes) {
-  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(codes & 0xffffu), __NV_E4M3);
-  const float2 f = __half22float2(__half2(h));
-  return inference::bf16x2_bits(f.x, f.y);
-}
-
 // Producer warps 1-3: each side ready for a product that every row of a warpgroup takes part
 // in (bf16: in place; FP8: widened from the staging ring), with its per-token scales.
 template <int Consumers, KvFormat F>
@@ -190,8 +183,8 @@ __device__ __forceinline__ void scan_sides(const AttnArgs& a, DecodeStorage<Cons
         uint32_t o[8];
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-          o[2 * k] = e4m3x2_to_bf16x2(words[k]);
-          o[2 * k + 1] = e4m3x2_to_bf16x2(words[k] >> 16);
+          o[2 * k] = inference::e4m3x2_to_bf16x2(words[k]);
+          o[2 * k + 1] = inference::e4m3x2_to_bf16x2(words[k] >> 16);
           if (j & 1) bad |= nonfinite_bf16x2_signs(o[2 * k]) | nonfinite_bf16x2_signs(o[2 * k + 1]);
         }
         st_shared_v4(dst0, o[0], o[1], o[2], o[3]);

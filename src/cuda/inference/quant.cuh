@@ -67,6 +67,15 @@ __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
+// The two E4M3 codes of the low 16 bits of `codes` (low byte first) -> their bf16 pair, exactly
+// (E4M3 values are bf16 values): one conversion for the pair, the same values as
+// bf16x2_bits(e4m3_to_f32(lo), e4m3_to_f32(hi)).
+__device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t codes) {
+  const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(codes & 0xffffu), __NV_E4M3);
+  const float2 f = __half22float2(__half2(h));
+  return bf16x2_bits(f.x, f.y);
+}
+
 // 8-byte asynchronous global -> shared copy (zero-filled when src_bytes = 0).
 __device__ __forceinline__ void cp_async8(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
