@@ -140,17 +140,16 @@ __device__ __forceinline__ void issue_sides(DecodeStorage<Consumers, F>& sm, uin
 
 // Producer warps 1-3: each side ready for a product that every row of a warpgroup takes part
 // in (bf16: in place; FP8: widened from the staging ring), with its per-token scales.
-template <int Consumers, KvFormat F>
+template <int Consumers, KvFormat F, bool PerToken>
 __device__ __forceinline__ void scan_sides(const AttnArgs& a, DecodeStorage<Consumers, F>& sm, uint32_t base, int g,
                                            int items, int st) {
   using Shape = DecodeShape<Consumers, F>;
   using Storage = DecodeStorage<Consumers, F>;
   constexpr int S = Shape::kSlots, RS = Shape::kRawSlots;
-  const bool per_token = a.kv.k_token_scale != nullptr;
   // The per-token scale of key t of item j (this thread's keys st, st + 96), loaded a side ahead.
   auto load_scales = [&](int j, float (&out)[2]) {
     out[0] = out[1] = 1.0f;
-    if (!per_token || j >= items) return;
+    if (!PerToken || j >= items) return;
     const int64_t slot0 = int64_t(sm.pages.page_physical[j / 2]) * kPageSize;
     const float* src = (j & 1) ? a.kv.v_token_scale + g * a.kv.v_token_stride : a.kv.k_token_scale + g * a.kv.k_token_stride;
 #pragma unroll
@@ -385,7 +384,7 @@ __device__ __forceinline__ void merge_if_last(const AttnArgs& a, DecodeStorage<C
   }
 }
 
-template <int Consumers, KvFormat F>
+template <int Consumers, KvFormat F, bool PerToken>
 __device__ __forceinline__ void consume_pages(const AttnArgs& a, DecodeStorage<Consumers, F>& sm, uint32_t slots,
                                               uint32_t q_tile, int pages, int64_t r0, int nrows, int g, int split,
                                               int wg, int w, int lane) {
@@ -394,10 +393,10 @@ __device__ __forceinline__ void consume_pages(const AttnArgs& a, DecodeStorage<C
   const int row = kRowsPerWarpgroup * wg + w;
   const uint32_t wg_rows = ((1u << kRowsPerWarpgroup) - 1u) << (kRowsPerWarpgroup * wg);
   const int32_t pos = sm.row_position[row];
-  const float k_tensor = a.kv.k_tensor_scale ? *a.kv.k_tensor_scale : 1.0f;
-  const float v_tensor = a.kv.v_tensor_scale ? *a.kv.v_tensor_scale : 1.0f;
+  // bf16 caches have no scales (checked in src/core/inference.cpp).
+  const float k_tensor = F != KvFormat::bf16 && a.kv.k_tensor_scale ? *a.kv.k_tensor_scale : 1.0f;
+  const float v_tensor = F != KvFormat::bf16 && a.kv.v_tensor_scale ? *a.kv.v_tensor_scale : 1.0f;
   const float qk_scale = a.softmax_scale * k_tensor * math::kLog2e;
-  const bool per_token = a.kv.k_token_scale != nullptr;
 
   RowState st;
 #pragma unroll
@@ -429,12 +428,12 @@ __device__ __forceinline__ void consume_pages(const AttnArgs& a, DecodeStorage<C
 
     // P (its V scales are the V side's: wait for it first when there are some).
     const int jv = 2 * u + 1, sv = jv % S;
-    if (per_token) mbar_wait(smem_addr(&sm.ready[sv]), (jv / S) & 1);
+    if constexpr (PerToken) mbar_wait(smem_addr(&sm.ready[sv]), (jv / S) & 1);
     uint32_t p[8][4];
     if (computes) {
       if (mine) {
-        softmax_step(st, s, p, limit, qk_scale, per_token ? sm.token_scale[sk] : nullptr,
-                     per_token ? sm.token_scale[sv] : nullptr, quad);
+        softmax_step(st, s, p, limit, qk_scale, PerToken ? sm.token_scale[sk] : nullptr,
+                     PerToken ? sm.token_scale[sv] : nullptr, quad);
       } else {
 #pragma unroll
         for (int c = 0; c < 8; ++c) p[c][0] = p[c][1] = p[c][2] = p[c][3] = 0u;
@@ -444,7 +443,7 @@ __device__ __forceinline__ void consume_pages(const AttnArgs& a, DecodeStorage<C
     if (lane == 0) mbar_arrive(smem_addr(&sm.empty[sk]));
 
     // O += P V.
-    if (!per_token) mbar_wait(smem_addr(&sm.ready[sv]), (jv / S) & 1);
+    if constexpr (!PerToken) mbar_wait(smem_addr(&sm.ready[sv]), (jv / S) & 1);
     if (computes) {
       const uint32_t v_side = slots + uint32_t(sv * kSideBytes);
       bool flagged = false;
@@ -497,7 +496,7 @@ __device__ __forceinline__ void consume_pages(const AttnArgs& a, DecodeStorage<C
   if (a.splits > 1) merge_if_last(a, sm, r0, nrows, g, 32 * (4 * wg + w) + lane);
 }
 
-template <int Consumers, KvFormat F>
+template <int Consumers, KvFormat F, bool PerToken>
 __global__ void __launch_bounds__(DecodeShape<Consumers, F>::kThreads, 1)
     paged_decode_wgmma_kernel(const AttnArgs a, const __grid_constant__ CUtensorMap k_map,
                               const __grid_constant__ CUtensorMap v_map) {
@@ -533,7 +532,7 @@ __global__ void __launch_bounds__(DecodeShape<Consumers, F>::kThreads, 1)
     if constexpr (Consumers > 1) setmaxnreg_dec<kProducerRegs>();
     const int pt = tid - 32 * Shape::kConsumerWarps;
     if (pt == 0) issue_sides(sm, base, &k_map, &v_map, g, items);
-    else if (pt >= 32) scan_sides(a, sm, base, g, items, pt - 32);
+    else if (pt >= 32) scan_sides<Consumers, F, PerToken>(a, sm, base, g, items, pt - 32);
     return;
   }
   if constexpr (Consumers > 1) setmaxnreg_inc<kConsumerRegs>();
@@ -552,32 +551,33 @@ __global__ void __launch_bounds__(DecodeShape<Consumers, F>::kThreads, 1)
   cp_async_wait<0>();
   fence_proxy_async();
   sync_barrier(wg == 0 ? DecodeBarrier::kWarpgroup0 : DecodeBarrier::kWarpgroup1, 128);
-  consume_pages(a, sm, base + uint32_t(offsetof(Storage, slot)), q_tile, pages, r0, nrows, g, split, wg, w, lane);
+  consume_pages<Consumers, F, PerToken>(a, sm, base + uint32_t(offsetof(Storage, slot)), q_tile, pages, r0, nrows, g,
+                                        split, wg, w, lane);
 }
 
-template <int Consumers, KvFormat F>
+template <int Consumers, KvFormat F, bool PerToken>
 void configure() {
   static std::once_flag once;
   std::call_once(once, [] {
-    MSA_CUDA_CHECK(cudaFuncSetAttribute(paged_decode_wgmma_kernel<Consumers, F>,
+    MSA_CUDA_CHECK(cudaFuncSetAttribute(paged_decode_wgmma_kernel<Consumers, F, PerToken>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, storage_bytes<Consumers, F>()));
   });
 }
 
-template <int Consumers, KvFormat F>
+template <int Consumers, KvFormat F, bool PerToken>
 void launch(const AttnArgs& a, const CUtensorMap& k_map, const CUtensorMap& v_map, dim3 grid, cudaStream_t stream) {
-  configure<Consumers, F>();
+  configure<Consumers, F, PerToken>();
   // Programmatic: its CTAs may start (barriers, row positions) while the selection finishes.
-  launch_programmatic("paged_decode_wgmma_kernel launch", paged_decode_wgmma_kernel<Consumers, F>, grid,
+  launch_programmatic("paged_decode_wgmma_kernel launch", paged_decode_wgmma_kernel<Consumers, F, PerToken>, grid,
                       dim3(DecodeShape<Consumers, F>::kThreads), size_t(storage_bytes<Consumers, F>()), stream, a, k_map,
                       v_map);
 }
 
-template <int Consumers, KvFormat F>
+template <int Consumers, KvFormat F, bool PerToken>
 int ctas_per_sm() {
-  configure<Consumers, F>();
+  configure<Consumers, F, PerToken>();
   int n = 0;
-  MSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, paged_decode_wgmma_kernel<Consumers, F>,
+  MSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, paged_decode_wgmma_kernel<Consumers, F, PerToken>,
                                                                DecodeShape<Consumers, F>::kThreads,
                                                                storage_bytes<Consumers, F>()));
   return n;
@@ -589,16 +589,26 @@ void launch_wgmma(KvFormat f, const AttnArgs& a, const CUtensorMap& k_map, const
                   cudaStream_t stream) {
   const bool one = a.rows_per_tile <= kRowsPerWarpgroup;
   detail::require(f != KvFormat::nvfp4, "paged_decode_wgmma_kernel: NVFP4 caches run on the mma.sync kernel");
-  if (f == KvFormat::bf16) one ? launch<1, KvFormat::bf16>(a, k_map, v_map, grid, stream)
-                               : launch<2, KvFormat::bf16>(a, k_map, v_map, grid, stream);
-  else one ? launch<1, KvFormat::fp8_e4m3>(a, k_map, v_map, grid, stream)
-           : launch<2, KvFormat::fp8_e4m3>(a, k_map, v_map, grid, stream);
+  // Per-token scales (FP8 only: bf16 caches have no scales) are a separate instance, so that
+  // the others carry no scale code.
+  if (f == KvFormat::bf16) {
+    one ? launch<1, KvFormat::bf16, false>(a, k_map, v_map, grid, stream)
+        : launch<2, KvFormat::bf16, false>(a, k_map, v_map, grid, stream);
+  } else if (a.kv.k_token_scale) {
+    one ? launch<1, KvFormat::fp8_e4m3, true>(a, k_map, v_map, grid, stream)
+        : launch<2, KvFormat::fp8_e4m3, true>(a, k_map, v_map, grid, stream);
+  } else {
+    one ? launch<1, KvFormat::fp8_e4m3, false>(a, k_map, v_map, grid, stream)
+        : launch<2, KvFormat::fp8_e4m3, false>(a, k_map, v_map, grid, stream);
+  }
 }
 
 int wgmma_ctas_per_sm(int rows_per_tile) {
   return rows_per_tile <= kRowsPerWarpgroup
-             ? std::min(ctas_per_sm<1, KvFormat::bf16>(), ctas_per_sm<1, KvFormat::fp8_e4m3>())
-             : std::min(ctas_per_sm<2, KvFormat::bf16>(), ctas_per_sm<2, KvFormat::fp8_e4m3>());
+             ? std::min({ctas_per_sm<1, KvFormat::bf16, false>(), ctas_per_sm<1, KvFormat::fp8_e4m3, false>(),
+                         ctas_per_sm<1, KvFormat::fp8_e4m3, true>()})
+             : std::min({ctas_per_sm<2, KvFormat::bf16, false>(), ctas_per_sm<2, KvFormat::fp8_e4m3, false>(),
+                         ctas_per_sm<2, KvFormat::fp8_e4m3, true>()});
 }
 
 }  // namespace msa::cuda::decode
