@@ -69,8 +69,8 @@ constexpr int kKSteps = kTileRows / 16;  // k16 steps of a product over 128
 
 // Register budgets per thread after the split (65536 per SM): the producers need few, the
 // consumers hold S of the next task, O and P of the current one at once.
-constexpr int kProducerRegs = 40;
-constexpr int kConsumerRegs = 232;
+constexpr int kProducerRegs = 56;
+constexpr int kConsumerRegs = 224;
 static_assert(kProducerRegs * 32 * kProducerWarps + kConsumerRegs * kConsumers <= 65536);
 
 // What a consumer warp needs about its query of a task (written by the producers into the
@@ -247,8 +247,12 @@ __device__ void produce_task(const ForwardArgs& a, const CUtensorMap* q_map, con
 }
 
 // Producer warp pw's whole share: the CTA's tasks in order, four stages ahead of the consumers.
+// Warp 0 also has each new key block brought into L2 when its first task is staged, so that
+// the consumers' load of it (load_key_block), a few tasks later, reads L2 rather than DRAM.
+template <KvSourceKind Kind>
 __device__ void run_producer(const ForwardArgs& a, const CUtensorMap* q_map, const CtaTasks& tasks, int64_t ntasks,
                              const Smem& sm, int pw, int lane) {
+  TaskBlock prefetched{-1, -1, -1, 0};
   for (int64_t n0 = 0; n0 < ntasks; n0 += 32) {
     TaskMeta mine;
     if (n0 + lane < ntasks) mine = fetch_task(a, tasks.task(n0 + lane), pw);
@@ -256,6 +260,17 @@ __device__ void run_producer(const ForwardArgs& a, const CUtensorMap* q_map, con
 #pragma unroll 1
     for (int k = 0; k < count; ++k) {
       const int n = int(n0 + k), stage = n % kQStages, use = n / kQStages;
+      if (pw == 0) {
+        const TaskBlock blk{__shfl_sync(0xffffffffu, mine.g, k), __shfl_sync(0xffffffffu, mine.b, k),
+                            __shfl_sync(0xffffffffu, mine.j, k), 0};
+        if (!blk.same(prefetched)) {
+          const DocInfo d = a.docs[blk.document];
+          const int nkeys = min(kBlock, d.k_len - blk.kv_block * kBlock);
+          prefetch_key_block<Kind>(a.kv, key_block_rows<Kind>(a.kv, blk.document, d.k_start, blk.head_kv, blk.kv_block),
+                                   nkeys, lane);
+          prefetched = blk;
+        }
+      }
       if (use > 0) mbar_wait(sm.empty(stage), (use - 1) & 1);
       produce_task(a, q_map, mine, k, sm.q(stage), sm.meta(stage), sm.full(stage), pw, lane);
     }
@@ -294,20 +309,41 @@ __device__ bool load_key_block(const ForwardArgs& a, const TaskBlock& blk, const
       sm.value_scale()[tid] = in ? a.kv.v_token_scale[blk.head_kv * a.kv.v_token_stride + slot] : 0.f;
     }
   }
-  for (int c = tid; c < kBlock * kChunks; c += kConsumers) {
+  // All of this thread's chunks of a side are requested before any is stored (the shared-memory
+  // stores are ordered after earlier loads): one wait on memory per side, not one per chunk.
+  constexpr int kPerThread = kBlock * kChunks / kConsumers;  // chunks per side per thread
+  static_assert(kBlock * kChunks % kConsumers == 0);
+  RawChunk raw[kPerThread];
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int c = tid + i * kConsumers;
+    const int key = c / kChunks, ch = c % kChunks;
+    raw[i] = load_raw_chunk<Kind>(rows.k + key * a.kv.k_row, rows.ksf + key * a.kv.ksf_row, ch, key < nkeys);
+  }
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int c = tid + i * kConsumers;
     const int key = c / kChunks, ch = c % kChunks;
     uint32_t x[kWidened<Kind> / 2];
-    load_widened<Kind>(rows.k + key * a.kv.k_row, rows.ksf + key * a.kv.ksf_row, ch, key < nkeys, x);
+    widen_chunk<Kind>(raw[i], x);
 #pragma unroll
     for (int o = 0; o < kOut; ++o)
       st_shared_v4(ks + tile_offset(kTileRows, key, kOut * ch + o), x[4 * o], x[4 * o + 1], x[4 * o + 2], x[4 * o + 3]);
   }
-  // A warp covers 32 consecutive keys of one chunk column: its 2-byte stores hit one row.
-  bool any_nonfinite = false;
-  for (int c = tid; c < kBlock * kChunks; c += kConsumers) {
+  // V: a warp covers 32 consecutive keys of one chunk column, so its 2-byte stores hit one row.
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int c = tid + i * kConsumers;
     const int key = c & (kBlock - 1), ch = c >> 7;  // kBlock keys per chunk column
+    raw[i] = load_raw_chunk<Kind>(rows.v + key * a.kv.v_row, rows.vsf + key * a.kv.vsf_row, ch, key < nkeys);
+  }
+  bool any_nonfinite = false;
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int c = tid + i * kConsumers;
+    const int key = c & (kBlock - 1), ch = c >> 7;
     uint32_t words[kWidened<Kind> / 2];
-    load_widened<Kind>(rows.v + key * a.kv.v_row, rows.vsf + key * a.kv.vsf_row, ch, key < nkeys, words);
+    widen_chunk<Kind>(raw[i], words);
     uint32_t signs = 0;
 #pragma unroll
     for (int w = 0; w < kWidened<Kind> / 2; ++w) signs |= nonfinite_bf16x2_signs(words[w]);
@@ -619,7 +655,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 
   if (warp >= kConsumerWarps) {
     setmaxnreg_dec<kProducerRegs>();
-    run_producer(a, &q_map, tasks, ntasks, sm, warp - kConsumerWarps, lane);
+    run_producer<Kind>(a, &q_map, tasks, ntasks, sm, warp - kConsumerWarps, lane);
     return;
   }
   setmaxnreg_inc<kConsumerRegs>();

@@ -222,6 +222,10 @@ __device__ __forceinline__ void tma_prefetch_4d(const void* map, int c0, int c1,
                "r"(c2), "r"(c3)
                : "memory");
 }
+// Brings `bytes` (a multiple of 16, from a 16-byte aligned address) of global memory into L2.
+__device__ __forceinline__ void prefetch_l2_bulk(const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
+}
 __device__ __forceinline__ void tma_store_2d(const void* map, int c0, int c1, uint32_t src, uint64_t policy) {
   asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group.L2::cache_hint [%0, {%1, %2}], [%3], %4;\n" ::"l"(
                    map),

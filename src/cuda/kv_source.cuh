@@ -16,6 +16,7 @@
 #include <cstdint>
 
 #include "cuda/common.cuh"
+#include "cuda/device.cuh"
 #include "cuda/inference/quant.cuh"
 #include "msa/constants.h"
 
@@ -110,26 +111,38 @@ inline constexpr int kSourceChunks = kSourceRowBytes<Kind> / 16;
 template <KvSourceKind Kind>
 inline constexpr int kWidened = 8 * model::kHeadDim / (8 * kSourceChunks<Kind>);
 
-// Reads source chunk c of a stored row and widens it to bf16 pairs: out[i] holds values
-// kWidened*c + 2i, +1 (low half first). Keys a block does not hold read as zeros.
+// One 16-byte source chunk as read from global memory, before widening (NVFP4: with the two
+// E4M3 block scales of its 32 values). Split from the widening so that a thread can have all
+// its chunks of a key block in flight before it converts and stores any of them.
+struct RawChunk {
+  uint4 codes;
+  uint32_t scales;
+};
+
+// Reads source chunk c of a stored row; keys a block does not hold read as zeros.
 template <KvSourceKind Kind>
-__device__ __forceinline__ void load_widened(const uint8_t* row, const uint8_t* row_scales, int c, bool present,
-                                             uint32_t (&out)[kWidened<Kind> / 2]) {
-  uint4 x = make_uint4(0, 0, 0, 0);
-  if (present) x = __ldg(reinterpret_cast<const uint4*>(row + c * 16));
-  const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+__device__ __forceinline__ RawChunk load_raw_chunk(const uint8_t* row, const uint8_t* row_scales, int c, bool present) {
+  RawChunk r{make_uint4(0, 0, 0, 0), 0};
+  if (present) {
+    r.codes = __ldg(reinterpret_cast<const uint4*>(row + c * 16));
+    if constexpr (Kind == KvSourceKind::paged_nvfp4) r.scales = __ldg(reinterpret_cast<const uint16_t*>(row_scales) + c);
+  }
+  return r;
+}
+
+// Widens a raw chunk c to bf16 pairs: out[i] holds values kWidened*c + 2i, +1 (low half first).
+template <KvSourceKind Kind>
+__device__ __forceinline__ void widen_chunk(const RawChunk& raw, uint32_t (&out)[kWidened<Kind> / 2]) {
+  const uint32_t w[4] = {raw.codes.x, raw.codes.y, raw.codes.z, raw.codes.w};
   if constexpr (Kind == KvSourceKind::paged_fp8) {
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      out[2 * j] = inference::bf16x2_bits(inference::e4m3_to_f32(uint8_t(w[j])), inference::e4m3_to_f32(uint8_t(w[j] >> 8)));
-      out[2 * j + 1] =
-          inference::bf16x2_bits(inference::e4m3_to_f32(uint8_t(w[j] >> 16)), inference::e4m3_to_f32(uint8_t(w[j] >> 24)));
+      out[2 * j] = inference::e4m3x2_to_bf16x2(w[j]);
+      out[2 * j + 1] = inference::e4m3x2_to_bf16x2(w[j] >> 16);
     }
   } else if constexpr (Kind == KvSourceKind::paged_nvfp4) {
     // Values 32c .. 32c + 31: block scales 2c (words 0, 1) and 2c + 1 (words 2, 3).
-    uint32_t scales = 0;
-    if (present) scales = __ldg(reinterpret_cast<const uint16_t*>(row_scales) + c);
-    const float s0 = inference::e4m3_to_f32(uint8_t(scales)), s1 = inference::e4m3_to_f32(uint8_t(scales >> 8));
+    const float s0 = inference::e4m3_to_f32(uint8_t(raw.scales)), s1 = inference::e4m3_to_f32(uint8_t(raw.scales >> 8));
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const float s = j < 2 ? s0 : s1;
@@ -143,6 +156,20 @@ __device__ __forceinline__ void load_widened(const uint8_t* row, const uint8_t* 
   } else {
 #pragma unroll
     for (int j = 0; j < 4; ++j) out[j] = w[j];
+  }
+}
+
+// Brings the K and V rows of a key block (rows 0 .. nkeys - 1; NVFP4 block scales not
+// included) into L2, spread over the 32 lanes of a warp: the loads of load_key_block that
+// follow find them there instead of waiting on DRAM.
+template <KvSourceKind Kind>
+__device__ __forceinline__ void prefetch_key_block(const KvSource& s, const KeyBlockRows& rows, int nkeys, int lane) {
+  const uint8_t* k = rows.k + lane * s.k_row;
+  const uint8_t* v = rows.v + lane * s.v_row;
+#pragma unroll 1
+  for (int r = lane; r < nkeys; r += 32, k += 32 * s.k_row, v += 32 * s.v_row) {
+    prefetch_l2_bulk(k, kSourceRowBytes<Kind>);
+    prefetch_l2_bulk(v, kSourceRowBytes<Kind>);
   }
 }
 
