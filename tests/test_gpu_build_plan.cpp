@@ -49,6 +49,42 @@ TEST(GpuPlan, MatchesCpuPlanOnEdgeAndRealShapes) {
   }
 }
 
+// Steps of up to 16384 edges and 8192 (head, row) pairs build their schedule in one CTA
+// (build_plan.cu); larger ones through the sort. Both must give the CPU's plan, for every
+// item size the one-CTA path takes (<= 64) and one it leaves to the sort.
+TEST(GpuPlan, SmallStepsMatchCpuPlanEveryItemSize) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  struct Step {
+    const char* name;
+    int tp;
+    PackedLayout layout;
+  };
+  const std::vector<Step> steps = {
+      {"182 queries over 17.5k keys", 1, layout_of({182}, {17536})},
+      {"2 queries over 140k keys", 1, layout_of({2}, {140000})},
+      {"three requests, chunk and decode rows", 1, layout_of({100, 1, 37}, {5000, 900, 37})},
+      {"1000 queries, one KV head", 4, layout_of({1000}, {4096})},
+      {"256 queries: 16384 edges exactly", 1, layout_of({256}, {9000})},
+      {"257 queries: over the one-CTA limit", 1, layout_of({257}, {9000})},
+  };
+  for (const Step& st : steps) {
+    SCOPED_TRACE(st.name);
+    const Topology topo = Topology::minimax_m3(st.tp);
+    const HostTensor topk = library_selection(rng, topo, st.layout);
+    for (int q_per_cta : {1, 5, 8, 64, 65}) compare_plans(topo, st.layout, topk, q_per_cta);
+  }
+  // An invalid id is flagged by the one-CTA path as by the sort: query 5 of 182 (position
+  // 17359, block 135) given block 136, its future.
+  const Topology topo;
+  const PackedLayout L = layout_of({182}, {17536});
+  HostTensor topk = library_selection(rng, topo, L);
+  topk.data<int32_t>()[(2 * L.total_q() + 5) * 16 + 1] = 136;
+  DeviceTensor dtopk(topk);
+  const SparsePlan plan = build_plan(topo, L, dtopk.view());
+  EXPECT_EQ(device_ints(plan.status), (std::vector<int32_t>{1, 2, 5, 1})) << "status = (1, head, row, slot)";
+}
+
 TEST(GpuPlan, HistoryInAnyOrderAndPartialSelections) {
   MSA_REQUIRE_GPU();
   MSA_SEEDED_RNG(rng);

@@ -59,24 +59,34 @@ __device__ __forceinline__ int64_t upper_bound(const int32_t* a, int64_t n, int3
   return l;
 }
 
-// One thread per (head, query): validates the kTopk ids and emits one (key, value) per slot.
-// key = head * rows + row (or `sentinel` for an unused slot), value = local query * kTopk +
-// the edge's partial slot (number of the query's valid blocks with a smaller id).
-__global__ void plan_edges_kernel(const int32_t* __restrict__ topk, int32_t total_q, int Hkv, int B,
-                                  const int32_t* __restrict__ cu_q, const DocInfo* __restrict__ docs,
-                                  const int32_t* __restrict__ doc_row_base, const int32_t* __restrict__ row_of,
-                                  int32_t total_rows, int32_t* __restrict__ keys, int32_t* __restrict__ vals,
-                                  int32_t* __restrict__ split_counts, int32_t* __restrict__ status) {
-  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= int64_t(Hkv) * total_q) return;
-  const int h = int(idx / total_q);
-  const int32_t q = int32_t(idx % total_q);
-  const int b = find_document(cu_q, B, q);
-  const DocInfo d = docs[b];
+// The kTopk edges of (head, query) pair idx = head * total_q + query: validates the ids and
+// gives one (key, value) per slot: key = head * rows + row (or `sentinel` = Hkv * rows for an
+// unused slot), value = local query * kTopk + the edge's partial slot (number of the query's
+// valid blocks with a smaller id). Writes the pair's split count; a bad id flags `status`
+// (first one wins) and drops all of the pair's edges.
+struct EdgeArgs {
+  const int32_t* topk;  // [Hkv, total_q, kTopk]
+  int32_t total_q;
+  int Hkv, B;
+  const int32_t* cu_q;
+  const DocInfo* docs;
+  const int32_t* doc_row_base;
+  const int32_t* row_of;
+  int32_t total_rows;
+  int32_t* split_counts;  // [total_q, Hkv]
+  int32_t* status;        // [4]
+};
+
+__device__ __forceinline__ void query_edges(const EdgeArgs& a, int64_t idx, int32_t (&key)[kTopk],
+                                            int32_t (&val)[kTopk]) {
+  const int h = int(idx / a.total_q);
+  const int32_t q = int32_t(idx % a.total_q);
+  const int b = find_document(a.cu_q, a.B, q);
+  const DocInfo d = a.docs[b];
   const int32_t ql = q - d.q_start;
   const int32_t local = (d.k_len - d.q_len + ql) >> kBlockShift;
   int32_t ids[kTopk];
-  const int4* src = reinterpret_cast<const int4*>(topk + idx * kTopk);
+  const int4* src = reinterpret_cast<const int4*>(a.topk + idx * kTopk);
 #pragma unroll
   for (int i = 0; i < kTopk / 4; ++i) {
     const int4 v = src[i];
@@ -99,30 +109,41 @@ __global__ void plan_edges_kernel(const int32_t* __restrict__ topk, int32_t tota
     }
     if (wrong && bad < 0) bad = s;
   }
-  const int32_t sentinel = Hkv * total_rows;
+  const int32_t sentinel = a.Hkv * a.total_rows;
   if (bad >= 0) {
-    if (atomicCAS(status, 0, 1) == 0) {
-      status[1] = h;
-      status[2] = q;
-      status[3] = bad;
+    if (atomicCAS(a.status, 0, 1) == 0) {
+      a.status[1] = h;
+      a.status[2] = q;
+      a.status[3] = bad;
     }
     count = 0;
   }
-  split_counts[int64_t(q) * Hkv + h] = count;
-  const int32_t base = b < B ? doc_row_base[b] : 0;
+  a.split_counts[int64_t(q) * a.Hkv + h] = count;
+  const int32_t base = b < a.B ? a.doc_row_base[b] : 0;
 #pragma unroll
   for (int s = 0; s < kTopk; ++s) {
     const int32_t id = ids[s];
-    int32_t key = sentinel, val = 0;
+    key[s] = sentinel, val[s] = 0;
     if (bad < 0 && id >= 0) {
       int rank = 0;
 #pragma unroll
       for (int t = 0; t < kTopk; ++t) rank += (ids[t] >= 0 && ids[t] < id) ? 1 : 0;
-      key = h * total_rows + row_of[base + id];
-      val = (ql << kSlotBits) + rank;
+      key[s] = h * a.total_rows + a.row_of[base + id];
+      val[s] = (ql << kSlotBits) + rank;
     }
-    keys[idx * kTopk + s] = key;
-    vals[idx * kTopk + s] = val;
+  }
+}
+
+// One thread per (head, query): the pair's edges into keys / vals [Hkv * total_q * kTopk].
+__global__ void plan_edges_kernel(const EdgeArgs a, int32_t* __restrict__ keys, int32_t* __restrict__ vals) {
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= int64_t(a.Hkv) * a.total_q) return;
+  int32_t key[kTopk], val[kTopk];
+  query_edges(a, idx, key, val);
+#pragma unroll
+  for (int s = 0; s < kTopk; ++s) {
+    keys[idx * kTopk + s] = key[s];
+    vals[idx * kTopk + s] = val[s];
   }
 }
 
@@ -214,6 +235,197 @@ __global__ void items_fill_tail_kernel(const int32_t* __restrict__ row_ptr, cons
   const int64_t index = total_full + P;
   write_item(items + index, h, r, begin, per_item - key, rows);
   if (tail_index) tail_index[n] = int32_t(index);
+}
+
+// ---- the whole schedule in one CTA ---------------------------------------------------------
+// A small step spends its schedule build on launch latencies: six memsets and a dozen kernels
+// (edges, radix sort, scatter, row pointers, item count / scan / sort / fill), ~75 us for 182
+// queries on an H200, for a few thousand edges. One CTA does the same work in shared memory and
+// writes the same schedule: the edges of every (head, query) pair, the row pointers (an
+// exclusive scan of the per-row counts), the rows' queries in ascending order (each head's
+// pairs walked in query order by one warp, ties inside a step ranked by lane), the full items
+// in (head, row) order, then the partial items by size descending and (head, row) order.
+constexpr int kSmallThreads = 1024;
+constexpr int kSmallWarps = kSmallThreads / 32;
+constexpr int64_t kSmallMaxEdges = 16384;  // keys and values held in shared memory
+constexpr int64_t kSmallMaxRows = 8192;    // Hkv * rows counters
+constexpr int kSmallMaxPerItem = 64;       // partial item sizes ranked per warp
+
+struct SmallScheduleArgs {
+  EdgeArgs edges;
+  const int32_t* rows;   // [total_rows, 2]: (document, block) of a row
+  int per_item;
+  int64_t capacity;      // schedule items
+  int64_t q_index_ints;  // q_indices / split_slot elements
+  int64_t split_count_ints;
+  int32_t* q_indices;    // [Hkv, total_q * kTopk]
+  int32_t* split_slot;
+  int32_t* row_ptr;      // [Hkv, rows + 1]
+  WorkItem* items;       // [capacity]
+  int32_t* work_count;
+  int32_t* full_count;
+};
+
+int64_t small_schedule_smem(int64_t edges, int64_t counters) {
+  return (2 * edges + 2 * counters + int64_t(kSmallWarps) * kSmallMaxPerItem) * 4;
+}
+
+// Exclusive scan of in[0, n) into out (they may alias) by the whole CTA; returns the total.
+// Thread t scans a run of consecutive elements, then the runs' sums are scanned.
+__device__ int32_t block_exclusive_scan(const int32_t* in, int32_t* out, int n, int32_t* warp_sums) {
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int per = (n + kSmallThreads - 1) / kSmallThreads;
+  const int begin = min(n, tid * per), end = min(n, begin + per);
+  int32_t sum = 0;
+  for (int i = begin; i < end; ++i) sum += in[i];
+  int32_t incl = sum;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int32_t v = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += v;
+  }
+  if (lane == 31) warp_sums[warp] = incl;
+  __syncthreads();
+  if (warp == 0) {
+    int32_t w = warp_sums[lane], wincl = w;
+#pragma unroll
+    for (int d = 1; d < 32; d <<= 1) {
+      const int32_t v = __shfl_up_sync(0xffffffffu, wincl, d);
+      if (lane >= d) wincl += v;
+    }
+    warp_sums[lane] = wincl - w;  // exclusive prefix of the warps
+    if (lane == 31) warp_sums[32] = wincl;
+  }
+  __syncthreads();
+  int32_t run = warp_sums[warp] + incl - sum;
+  for (int i = begin; i < end; ++i) {
+    const int32_t v = in[i];
+    out[i] = run;
+    run += v;
+  }
+  const int32_t total = warp_sums[32];
+  __syncthreads();  // warp_sums free again
+  return total;
+}
+
+__global__ void __launch_bounds__(kSmallThreads, 1) small_schedule_kernel(const SmallScheduleArgs a) {
+  extern __shared__ int32_t smem[];
+  __shared__ int32_t warp_sums[33];
+  const EdgeArgs& e = a.edges;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int Hkv = e.Hkv, R = e.total_rows, per_item = a.per_item;
+  const int64_t pairs = int64_t(Hkv) * e.total_q;
+  const int E = int(pairs * kTopk), N = Hkv * R;
+  const int32_t sentinel = N;
+  int32_t* keys = smem;                  // [E]
+  int32_t* vals = keys + E;              // [E]
+  int32_t* count = vals + E;             // [N] edges per (head, row)
+  int32_t* cursor = count + N;           // [N] next position of a row's edge; then full-item positions
+  int32_t* tails = cursor + N;           // [kSmallWarps, kSmallMaxPerItem] partial items per (warp, size)
+
+  // What the general path clears with memsets.
+  for (int i = tid; i < a.q_index_ints; i += kSmallThreads) a.q_indices[i] = -1, a.split_slot[i] = -1;
+  for (int i = tid; i < a.split_count_ints; i += kSmallThreads) e.split_counts[i] = 0;
+  for (int64_t i = tid; i < a.capacity * kWorkItemInts; i += kSmallThreads) reinterpret_cast<int32_t*>(a.items)[i] = -1;
+  for (int i = tid; i < N; i += kSmallThreads) count[i] = 0;
+  for (int i = tid; i < kSmallWarps * kSmallMaxPerItem; i += kSmallThreads) tails[i] = 0;
+  if (tid < 4) e.status[tid] = 0;
+  __syncthreads();
+
+  // Edges, and the edge count of every (head, row).
+  for (int64_t idx = tid; idx < pairs; idx += kSmallThreads) {
+    int32_t key[kTopk], val[kTopk];
+    query_edges(e, idx, key, val);
+#pragma unroll
+    for (int s = 0; s < kTopk; ++s) {
+      keys[idx * kTopk + s] = key[s];
+      vals[idx * kTopk + s] = val[s];
+      if (key[s] < sentinel) atomicAdd(&count[key[s]], 1);
+    }
+  }
+  __syncthreads();
+
+  // Row pointers: each head's rows from 0; cursor = where the row's next edge goes.
+  const int32_t all_edges = block_exclusive_scan(count, cursor, N, warp_sums);
+  for (int n = tid; n < N; n += kSmallThreads) a.row_ptr[(n / R) * (R + 1) + n % R] = cursor[n] - cursor[(n / R) * R];
+  for (int h = tid; h < Hkv; h += kSmallThreads)
+    a.row_ptr[h * (R + 1) + R] = R > 0 ? (h + 1 < Hkv ? cursor[(h + 1) * R] : all_edges) - cursor[h * R] : 0;
+  __syncthreads();  // every cursor read before the walk below moves them
+
+  // The rows' queries in ascending order: warp h walks head h's pairs, two queries a step
+  // (lanes 0-15: query q, 16-31: q + 1; a query meets a row at most once), so an edge's place
+  // is the row's cursor plus the lanes before it in the step with the same row. Cursors count
+  // from the first edge of all heads; a head's own rows (only its warp moves their cursors)
+  // start at its first row's.
+  const uint32_t lanes_below = (1u << lane) - 1u;
+  for (int h = warp; h < Hkv; h += kSmallWarps) {
+    const int32_t head_base = R > 0 ? cursor[h * R] : 0;
+    for (int q0 = 0; q0 < e.total_q; q0 += 2) {
+      const int q = q0 + (lane >> 4);
+      const int64_t edge = (int64_t(h) * e.total_q + q) * kTopk + (lane & 15);
+      const int32_t key = q < e.total_q ? keys[edge] : sentinel;
+      const bool valid = key < sentinel;
+      const uint32_t same = __match_any_sync(0xffffffffu, valid ? key : sentinel + 1 + lane);
+      const int32_t pos = valid ? cursor[key] - head_base + __popc(same & lanes_below) : 0;
+      __syncwarp();
+      if (valid && (same & lanes_below) == 0) cursor[key] += __popc(same);
+      __syncwarp();
+      if (valid) {
+        const int64_t dst = int64_t(h) * e.total_q * kTopk + pos;
+        a.q_indices[dst] = vals[edge] >> kSlotBits;
+        a.split_slot[dst] = vals[edge] & (kTopk - 1);
+      }
+    }
+  }
+  __syncthreads();
+
+  // Full items: positions by an exclusive scan of the rows' full-item counts.
+  for (int n = tid; n < N; n += kSmallThreads) cursor[n] = count[n] / per_item;
+  __syncthreads();
+  const int32_t total_full = block_exclusive_scan(cursor, cursor, N, warp_sums);
+  for (int n = tid; n < N; n += kSmallThreads) {
+    const int h = n / R, r = n % R;
+    const int32_t begin = a.row_ptr[h * (R + 1) + r], nfull = count[n] / per_item;
+    for (int c = 0; c < nfull; ++c) {
+      const int64_t i = int64_t(cursor[n]) + c;
+      if (i < a.capacity) write_item(a.items + i, h, r, begin + c * per_item, per_item, a.rows);
+    }
+  }
+
+  // Partial items, by size descending, (head, row) ascending among equal sizes: warp w ranks
+  // the rows [N w / 32, N (w + 1) / 32) after the items of larger sizes and of earlier warps.
+  const int n_begin = int(int64_t(N) * warp / kSmallWarps), n_end = int(int64_t(N) * (warp + 1) / kSmallWarps);
+  for (int n = n_begin + lane; n < n_end; n += 32) {
+    const int t = count[n] % per_item;
+    if (t > 0) atomicAdd(&tails[warp * kSmallMaxPerItem + t], 1);
+  }
+  __syncthreads();
+  if (tid == 0) {  // start of each (size, warp) run, sizes descending
+    int32_t at = total_full;
+    for (int t = per_item - 1; t >= 1; --t)
+      for (int w = 0; w < kSmallWarps; ++w) {
+        const int32_t c = tails[w * kSmallMaxPerItem + t];
+        tails[w * kSmallMaxPerItem + t] = at;
+        at += c;
+      }
+    *a.work_count = at;
+    *a.full_count = total_full;
+  }
+  __syncthreads();
+  for (int n0 = n_begin; n0 < n_end; n0 += 32) {
+    const int n = n0 + lane;
+    const int t = n < n_end ? count[n] % per_item : 0;
+    const uint32_t same = __match_any_sync(0xffffffffu, t > 0 ? t : per_item + lane);
+    int32_t* next = &tails[warp * kSmallMaxPerItem + t];
+    const int64_t i = t > 0 ? int64_t(*next) + __popc(same & lanes_below) : 0;
+    __syncwarp();
+    if (t > 0 && (same & lanes_below) == 0) *next += __popc(same);
+    __syncwarp();
+    if (t > 0 && i < a.capacity) {
+      const int h = n / R, r = n % R;
+      write_item(a.items + i, h, r, a.row_ptr[h * (R + 1) + r] + (count[n] / per_item) * per_item, t, a.rows);
+    }
+  }
 }
 
 struct HostRows {
@@ -417,42 +629,61 @@ void build_schedule(const Topology& topo, const TensorView& topk, SparsePlan& pl
   const int64_t total_q = plan.total_q, rows = plan.total_rows;
   const int64_t edges = int64_t(Hkv) * total_q * kTopk;
   plan.work_count = -1;
-  MSA_CUDA_CHECK(cudaMemsetAsync(plan.status.data(), 0, size_t(plan.status.bytes()), s));
-  MSA_CUDA_CHECK(cudaMemsetAsync(plan.q_indices.data(), 0xff, size_t(plan.q_indices.bytes()), s));
-  MSA_CUDA_CHECK(cudaMemsetAsync(plan.split_slot.data(), 0xff, size_t(plan.split_slot.bytes()), s));
-  MSA_CUDA_CHECK(cudaMemsetAsync(plan.row_ptr.data(), 0, size_t(plan.row_ptr.bytes()), s));
-  MSA_CUDA_CHECK(cudaMemsetAsync(plan.split_counts.data(), 0, size_t(plan.split_counts.bytes()), s));
-  MSA_CUDA_CHECK(cudaMemsetAsync(plan.schedule.data(), 0xff, size_t(plan.schedule.bytes()), s));
-
-  if (edges > 0) {
-    const int32_t sentinel = int32_t(Hkv * rows);
-    StreamScratch keys_in(edges * 4, s), keys_out(edges * 4, s), vals_in(edges * 4, s), vals_out(edges * 4, s);
-    plan_edges_kernel<<<blocks_for(Hkv * total_q), kThreads, 0, s>>>(
-        topk.as<const int32_t>(), int32_t(total_q), Hkv, B, i32(state.cu_q), doc_ptr(state),
-        i32(state.doc_row_base), i32(state.row_of), int32_t(rows), keys_in.as<int32_t>(),
-        vals_in.as<int32_t>(), static_cast<int32_t*>(plan.split_counts.data()), static_cast<int32_t*>(plan.status.data()));
-    MSA_CUDA_CHECK_LAUNCH("plan_edges_kernel");
-    size_t sort_bytes = 0;
-    const int bits = bits_for(sentinel);
-    MSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, keys_in.as<int32_t>(), keys_out.as<int32_t>(),
-                                                   vals_in.as<int32_t>(), vals_out.as<int32_t>(), int(edges), 0, bits, s));
-    StreamScratch temp(int64_t(sort_bytes), s);
-    MSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.get(), sort_bytes, keys_in.as<int32_t>(), keys_out.as<int32_t>(),
-                                                   vals_in.as<int32_t>(), vals_out.as<int32_t>(), int(edges), 0, bits, s));
-    plan_scatter_kernel<<<blocks_for(edges), kThreads, 0, s>>>(
-        keys_out.as<int32_t>(), vals_out.as<int32_t>(), edges, int32_t(rows), sentinel, total_q * kTopk,
-        static_cast<int32_t*>(plan.q_indices.data()), static_cast<int32_t*>(plan.split_slot.data()));
-    MSA_CUDA_CHECK_LAUNCH("plan_scatter_kernel");
-    if (rows > 0) {
-      plan_row_ptr_kernel<<<blocks_for(Hkv * (rows + 1)), kThreads, 0, s>>>(
-          keys_out.as<int32_t>(), edges, Hkv, int32_t(rows), static_cast<int32_t*>(plan.row_ptr.data()));
-      MSA_CUDA_CHECK_LAUNCH("plan_row_ptr_kernel");
+  const EdgeArgs edge_args{topk.as<const int32_t>(), int32_t(total_q), Hkv, B, i32(state.cu_q), doc_ptr(state),
+                           i32(state.doc_row_base), i32(state.row_of), int32_t(rows),
+                           static_cast<int32_t*>(plan.split_counts.data()), static_cast<int32_t*>(plan.status.data())};
+  if (edges > 0 && edges <= kSmallMaxEdges && Hkv * rows <= kSmallMaxRows && plan.q_per_cta <= kSmallMaxPerItem) {
+    SmallScheduleArgs a{edge_args,
+                        static_cast<const int32_t*>(plan.rows.data()),
+                        plan.q_per_cta,
+                        state.schedule_capacity,
+                        plan.q_indices.bytes() / 4,
+                        plan.split_counts.bytes() / 4,
+                        static_cast<int32_t*>(plan.q_indices.data()),
+                        static_cast<int32_t*>(plan.split_slot.data()),
+                        static_cast<int32_t*>(plan.row_ptr.data()),
+                        static_cast<WorkItem*>(plan.schedule.data()),
+                        static_cast<int32_t*>(plan.work_count_dev.data()),
+                        i32(state.schedule_full)};
+    const int smem = int(small_schedule_smem(edges, Hkv * rows));
+    MSA_CUDA_CHECK(cudaFuncSetAttribute(small_schedule_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    small_schedule_kernel<<<1, kSmallThreads, smem, s>>>(a);
+    MSA_CUDA_CHECK_LAUNCH("small_schedule_kernel");
+  } else {
+    MSA_CUDA_CHECK(cudaMemsetAsync(plan.status.data(), 0, size_t(plan.status.bytes()), s));
+    MSA_CUDA_CHECK(cudaMemsetAsync(plan.q_indices.data(), 0xff, size_t(plan.q_indices.bytes()), s));
+    MSA_CUDA_CHECK(cudaMemsetAsync(plan.split_slot.data(), 0xff, size_t(plan.split_slot.bytes()), s));
+    MSA_CUDA_CHECK(cudaMemsetAsync(plan.row_ptr.data(), 0, size_t(plan.row_ptr.bytes()), s));
+    MSA_CUDA_CHECK(cudaMemsetAsync(plan.split_counts.data(), 0, size_t(plan.split_counts.bytes()), s));
+    MSA_CUDA_CHECK(cudaMemsetAsync(plan.schedule.data(), 0xff, size_t(plan.schedule.bytes()), s));
+    if (edges > 0) {
+      const int32_t sentinel = int32_t(Hkv * rows);
+      StreamScratch keys_in(edges * 4, s), keys_out(edges * 4, s), vals_in(edges * 4, s), vals_out(edges * 4, s);
+      plan_edges_kernel<<<blocks_for(Hkv * total_q), kThreads, 0, s>>>(edge_args, keys_in.as<int32_t>(),
+                                                                       vals_in.as<int32_t>());
+      MSA_CUDA_CHECK_LAUNCH("plan_edges_kernel");
+      size_t sort_bytes = 0;
+      const int bits = bits_for(sentinel);
+      MSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, keys_in.as<int32_t>(), keys_out.as<int32_t>(),
+                                                     vals_in.as<int32_t>(), vals_out.as<int32_t>(), int(edges), 0, bits, s));
+      StreamScratch temp(int64_t(sort_bytes), s);
+      MSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.get(), sort_bytes, keys_in.as<int32_t>(), keys_out.as<int32_t>(),
+                                                     vals_in.as<int32_t>(), vals_out.as<int32_t>(), int(edges), 0, bits, s));
+      plan_scatter_kernel<<<blocks_for(edges), kThreads, 0, s>>>(
+          keys_out.as<int32_t>(), vals_out.as<int32_t>(), edges, int32_t(rows), sentinel, total_q * kTopk,
+          static_cast<int32_t*>(plan.q_indices.data()), static_cast<int32_t*>(plan.split_slot.data()));
+      MSA_CUDA_CHECK_LAUNCH("plan_scatter_kernel");
+      if (rows > 0) {
+        plan_row_ptr_kernel<<<blocks_for(Hkv * (rows + 1)), kThreads, 0, s>>>(
+            keys_out.as<int32_t>(), edges, Hkv, int32_t(rows), static_cast<int32_t*>(plan.row_ptr.data()));
+        MSA_CUDA_CHECK_LAUNCH("plan_row_ptr_kernel");
+      }
     }
+    build_items(static_cast<const int32_t*>(plan.row_ptr.data()), Hkv, int32_t(rows), plan.q_per_cta,
+                state.schedule_capacity, static_cast<const int32_t*>(plan.rows.data()),
+                static_cast<WorkItem*>(plan.schedule.data()), static_cast<int32_t*>(plan.work_count_dev.data()),
+                i32(state.schedule_full), nullptr, nullptr, nullptr, s);
   }
-  build_items(static_cast<const int32_t*>(plan.row_ptr.data()), Hkv, int32_t(rows), plan.q_per_cta,
-              state.schedule_capacity, static_cast<const int32_t*>(plan.rows.data()),
-              static_cast<WorkItem*>(plan.schedule.data()), static_cast<int32_t*>(plan.work_count_dev.data()),
-              i32(state.schedule_full), nullptr, nullptr, nullptr, s);
   if (with_chunks)
     build_items(static_cast<const int32_t*>(plan.row_ptr.data()), Hkv, int32_t(rows), kChunkQueries,
                 state.chunk_capacity, static_cast<const int32_t*>(plan.rows.data()),
