@@ -134,17 +134,25 @@ __device__ __forceinline__ void query_edges(const EdgeArgs& a, int64_t idx, int3
   }
 }
 
-// One thread per (head, query): the pair's edges into keys / vals [Hkv * total_q * kTopk].
-__global__ void plan_edges_kernel(const EdgeArgs a, int32_t* __restrict__ keys, int32_t* __restrict__ vals) {
-  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= int64_t(a.Hkv) * a.total_q) return;
+// Writes pair idx's edges to keys / vals [Hkv * total_q * kTopk]; with `count`, also counts
+// each edge in its (head, row) entry (shared-memory atomics).
+__device__ __forceinline__ void emit_edges(const EdgeArgs& a, int64_t idx, int32_t* keys, int32_t* vals,
+                                           int32_t* count) {
   int32_t key[kTopk], val[kTopk];
   query_edges(a, idx, key, val);
 #pragma unroll
   for (int s = 0; s < kTopk; ++s) {
     keys[idx * kTopk + s] = key[s];
     vals[idx * kTopk + s] = val[s];
+    if (count != nullptr && key[s] < a.Hkv * a.total_rows) atomicAdd(&count[key[s]], 1);
   }
+}
+
+// One thread per (head, query): the pair's edges into keys / vals.
+__global__ void plan_edges_kernel(const EdgeArgs a, int32_t* __restrict__ keys, int32_t* __restrict__ vals) {
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= int64_t(a.Hkv) * a.total_q) return;
+  emit_edges(a, idx, keys, vals, nullptr);
 }
 
 __global__ void plan_scatter_kernel(const int32_t* __restrict__ keys, const int32_t* __restrict__ vals, int64_t n,
@@ -333,16 +341,7 @@ __global__ void __launch_bounds__(kSmallThreads, 1) small_schedule_kernel(const 
   __syncthreads();
 
   // Edges, and the edge count of every (head, row).
-  for (int64_t idx = tid; idx < pairs; idx += kSmallThreads) {
-    int32_t key[kTopk], val[kTopk];
-    query_edges(e, idx, key, val);
-#pragma unroll
-    for (int s = 0; s < kTopk; ++s) {
-      keys[idx * kTopk + s] = key[s];
-      vals[idx * kTopk + s] = val[s];
-      if (key[s] < sentinel) atomicAdd(&count[key[s]], 1);
-    }
-  }
+  for (int64_t idx = tid; idx < pairs; idx += kSmallThreads) emit_edges(e, idx, keys, vals, count);
   __syncthreads();
 
   // Row pointers: each head's rows from 0; cursor = where the row's next edge goes.
