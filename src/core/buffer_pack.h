@@ -11,20 +11,25 @@ namespace msa::detail {
 
 class BufferPack {
  public:
-  // `*target` becomes a [shape] `dtype` piece when allocate() runs.
-  void add(Buffer* target, DType dtype, std::vector<int64_t> shape) {
+  // `*target` becomes a [shape] `dtype` piece when allocate() runs; returns the piece's byte
+  // offset in the allocation.
+  int64_t add(Buffer* target, DType dtype, std::vector<int64_t> shape) {
     int64_t n = 1;
     for (int64_t s : shape) n *= s;
-    pieces_.push_back({target, dtype, std::move(shape), bytes_});
+    const int64_t offset = bytes_;
+    pieces_.push_back({target, dtype, std::move(shape), offset});
     bytes_ += (n * dtype_size(dtype) + 255) / 256 * 256;
+    return offset;
   }
 
-  // One buffer on `device` (for work on `stream`) holding every piece added so far.
-  void allocate(Device device, void* stream) {
+  // One buffer on `device` (for work on `stream`) holding every piece added so far; returns it
+  // whole (u8), e.g. to fill all the pieces with one copy.
+  Buffer allocate(Device device, void* stream) {
     const Buffer whole(device, DType::u8, {bytes_ > 0 ? bytes_ : 256}, stream);
     for (Piece& p : pieces_) *p.target = whole.slice(p.offset, p.dtype, std::move(p.shape));
     pieces_.clear();
     bytes_ = 0;
+    return whole;
   }
 
  private:

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "backend_inference.h"
+#include "core/buffer_pack.h"
 #include "core/check.h"
 #include "core/decode_splits.h"
 #include "core/dispatch.h"
@@ -50,33 +51,25 @@ Buffer device_copy(Device device, const std::vector<int32_t>& values, std::vecto
   return b;
 }
 
-// Several int32 tables on `device` from one allocation and one copy: each copy from pageable
-// host memory costs ~10 us of a plan's time on a GPU, whatever its size. Pieces are 256-byte
-// aligned slices sharing the allocation.
+// Several int32 tables on `device` from one allocation (a BufferPack) and one copy: each copy
+// from pageable host memory costs ~10 us of a plan's time on a GPU, whatever its size.
 class Int32Upload {
  public:
   void add(Buffer* target, const std::vector<int32_t>& values, std::vector<int64_t> shape) {
-    pieces_.push_back({target, &values, std::move(shape), count_});
-    count_ += (int64_t(values.size()) + 63) / 64 * 64;
+    pieces_.push_back({pack_.add(target, DType::i32, std::move(shape)), &values});
   }
   void run(Device device) {
-    std::vector<int32_t> host(size_t(std::max<int64_t>(count_, 64)), 0);
-    for (const Piece& p : pieces_) std::copy(p.values->begin(), p.values->end(), host.begin() + p.offset);
-    const Buffer whole = device_copy(device, host, {int64_t(host.size())});
-    for (Piece& p : pieces_) *p.target = whole.slice(p.offset * 4, DType::i32, std::move(p.shape));
+    const Buffer whole = pack_.allocate(device, nullptr);
+    std::vector<uint8_t> host(size_t(whole.bytes()), 0);
+    for (const auto& [offset, values] : pieces_)
+      if (!values->empty()) std::memcpy(host.data() + offset, values->data(), values->size() * sizeof(int32_t));
+    copy(TensorView::contiguous(host.data(), DType::u8, {int64_t(host.size())}), whole.view());
     pieces_.clear();
-    count_ = 0;
   }
 
  private:
-  struct Piece {
-    Buffer* target;
-    const std::vector<int32_t>* values;
-    std::vector<int64_t> shape;
-    int64_t offset;  // int32 elements
-  };
-  std::vector<Piece> pieces_;
-  int64_t count_ = 0;
+  detail::BufferPack pack_;
+  std::vector<std::pair<int64_t, const std::vector<int32_t>*>> pieces_;  // byte offset, values
 };
 
 // Host description of the step; turned into a plan by `finish`.
