@@ -316,6 +316,18 @@ __device__ int32_t block_exclusive_scan(const int32_t* in, int32_t* out, int n, 
   return total;
 }
 
+// Lanes of a warp taking places from shared-memory counters in lane order: `same` holds the
+// lanes that use this lane's counter (__match_any_sync); an active lane gets the counter plus
+// the number of those lanes below it, and the counter moves past the whole group.
+__device__ __forceinline__ int32_t take_in_lane_order(int32_t* counter, uint32_t same, bool active,
+                                                      uint32_t lanes_below) {
+  const int32_t place = active ? *counter + __popc(same & lanes_below) : 0;
+  __syncwarp();
+  if (active && (same & lanes_below) == 0) *counter += __popc(same);
+  __syncwarp();
+  return place;
+}
+
 __global__ void __launch_bounds__(kSmallThreads, 1) small_schedule_kernel(const SmallScheduleArgs a) {
   extern __shared__ int32_t smem[];
   __shared__ int32_t warp_sums[33];
@@ -365,10 +377,7 @@ __global__ void __launch_bounds__(kSmallThreads, 1) small_schedule_kernel(const 
       const int32_t key = q < e.total_q ? keys[edge] : sentinel;
       const bool valid = key < sentinel;
       const uint32_t same = __match_any_sync(0xffffffffu, valid ? key : sentinel + 1 + lane);
-      const int32_t pos = valid ? cursor[key] - head_base + __popc(same & lanes_below) : 0;
-      __syncwarp();
-      if (valid && (same & lanes_below) == 0) cursor[key] += __popc(same);
-      __syncwarp();
+      const int32_t pos = take_in_lane_order(&cursor[valid ? key : 0], same, valid, lanes_below) - head_base;
       if (valid) {
         const int64_t dst = int64_t(h) * e.total_q * kTopk + pos;
         a.q_indices[dst] = vals[edge] >> kSlotBits;
@@ -415,11 +424,7 @@ __global__ void __launch_bounds__(kSmallThreads, 1) small_schedule_kernel(const 
     const int n = n0 + lane;
     const int t = n < n_end ? count[n] % per_item : 0;
     const uint32_t same = __match_any_sync(0xffffffffu, t > 0 ? t : per_item + lane);
-    int32_t* next = &tails[warp * kSmallMaxPerItem + t];
-    const int64_t i = t > 0 ? int64_t(*next) + __popc(same & lanes_below) : 0;
-    __syncwarp();
-    if (t > 0 && (same & lanes_below) == 0) *next += __popc(same);
-    __syncwarp();
+    const int64_t i = take_in_lane_order(&tails[warp * kSmallMaxPerItem + t], same, t > 0, lanes_below);
     if (t > 0 && i < a.capacity) {
       const int h = n / R, r = n % R;
       write_item(a.items + i, h, r, a.row_ptr[h * (R + 1) + r] + (count[n] / per_item) * per_item, t, a.rows);
