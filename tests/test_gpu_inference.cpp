@@ -448,6 +448,23 @@ TEST(GpuInference, IndexerLongRunsMatchCpu) {
   expect_selection_matches_cpu(c, gpu_indexer(c, d, gpu_plan(c)), cpu_indexer(c));
 }
 
+// Prefill runs of many pages per CTA: 1,300 queries over a 9k prefix (64-row tiles of four
+// index heads, ~13 pages a CTA) lap the 4-stage page ring of the prefill score kernel (bf16
+// index-K) three times, and a 40-query request shares the last tile with it (two segments in
+// one CTA). The FP8 index takes the register-widening kernel.
+TEST(GpuInference, IndexerPrefillLongRunsMatchCpu) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  for (DType idt : {DType::bf16, DType::f8e4m3}) {
+    SCOPED_TRACE(idt == DType::f8e4m3 ? "fp8 index" : "bf16 index");
+    CaseOptions o;
+    o.index_dtype = idt;
+    const PagedCase c = make_prefill_case(rng, Topology::minimax_m3(), {9000, 3000}, {1300, 40}, o);
+    DeviceCase d(c);
+    expect_selection_matches_cpu(c, gpu_indexer(c, d, gpu_plan(c)), cpu_indexer(c));
+  }
+}
+
 TEST(GpuInference, DecodeAttentionMatchesCpuEveryFormat) {
   MSA_REQUIRE_GPU();
   MSA_SEEDED_RNG(rng);

@@ -24,6 +24,12 @@ enum class DecodeBarrier : int {
   kConsumers = 3,   // every consumer thread, around the split CTAs' arrival count
 };
 
+// prefill_scores_kernel (inference/paged_indexer.cu): four consumer warpgroups and a producer warp.
+enum class PrefillIndexerBarrier : int {
+  kWarpgroup0 = 1,  // consumer warpgroup 0 (128 threads): around the rewrite of its Q rows
+                    // (warpgroup wg uses kWarpgroup0 + wg, ids 1..4)
+};
+
 // bar.sync on a named barrier of `threads` threads.
 template <typename Id>
 __device__ __forceinline__ void sync_barrier(Id id, int threads) {

@@ -1,12 +1,14 @@
 // Paged indexer on the GPU, in two kernels per chunk of query rows:
-//   1. index_scores_kernel: CTA = (tile of query rows, run of logical pages). The rows'
-//      index-q vectors sit in shared memory as a bf16 tile; every history page of the run is
-//      streamed once per CTA (16-byte loads, the next page in flight while the current one is
-//      multiplied) and S = q . k^T runs on tensor cores (fp32 accumulation). The page score
+//   1. a score kernel: CTA = (tile of query rows, run of logical pages). The rows' index-q
+//      vectors sit in shared memory as a bf16 tile, every history page of the run is read once
+//      per CTA and S = q . k^T runs on tensor cores (fp32 accumulation). The page score
 //      max_t S (NaN if any token's score is NaN) goes to the plan's scratch [rows, Hi, pages].
-//      Two tile shapes (ScoreShape below): decode tiles are the Q rows of one request
-//      (mma.sync), prefill tiles 256 (row, index head) vectors on wgmma, which may span several
-//      requests (handled one after another). Runs are shorter when the step is small, so that
+//      A bf16 index-K cache is read by TMA into a ring of stages that warps consume
+//      independently: decode_scores_kernel (decode tiles, one request's Q rows, mma.sync) and
+//      prefill_scores_kernel (256 (row, index head) vectors on wgmma). An FP8 one goes through
+//      index_scores_kernel, which widens each page in registers (16-byte loads, the next page
+//      in flight while the current one is multiplied) in two tile shapes (ScoreShape below).
+//      Prefill tiles may span several requests (handled one after another). Runs are shorter when the step is small, so that
 //      the grid fills the GPU: a CTA's pages are a chain of dependent loads, and a small grid
 //      of long chains costs their latency however little it reads.
 //   2. select_kernel: one warp per (row, index head) applies the selection rule of the CPU's
@@ -21,6 +23,7 @@
 #include "core/check.h"
 #include "cuda/device.cuh"
 #include "cuda/inference/quant.cuh"
+#include "cuda/named_barriers.cuh"
 #include "cuda/tensor_map.h"
 #include "cuda/wgmma.cuh"
 
@@ -439,6 +442,196 @@ void launch_stream_scores_for(int vectors, const ScoreArgs& a, const CUtensorMap
   else launch_stream_scores<4, QFp8>(a, k_map, tiles, history, stream);
 }
 
+// Prefill scores over a bf16 index-K cache, streamed: CTA = (tile of up to 256 (row, index
+// head) vectors, run of logical pages). A producer warp brings the run's pages by TMA into a
+// ring of kPrefillStages stages; each of the four consumer warpgroups owns 64 vectors (their
+// index-q rows stay in shared memory for the run), multiplies every page on wgmma, writes its
+// vectors' page maxima and hands the stage back (`empty` counts the 16 consumer warps). The warpgroups meet at no
+// CTA-wide barrier, so one's epilogue overlaps the others' products. A tile that spans
+// requests is taken one request (segment) at a time; every warpgroup rewrites its own Q rows
+// (FP8 index-q widened to bf16 exactly).
+constexpr int kPrefillConsumerWarpgroups = 4;
+constexpr int kPrefillConsumerWarps = 4 * kPrefillConsumerWarpgroups;
+constexpr int kPrefillThreads = 32 * kPrefillConsumerWarps + 128;  // + the producer warpgroup (one warp works)
+constexpr int kPrefillVectors = 64 * kPrefillConsumerWarpgroups;
+constexpr int kPrefillMaxPages = 64;  // pages of a run: the Q tile's load is paid once a run
+// Registers a thread: the producer warpgroup gives most of its share to the consumers. The
+// CTA's pool is what it was launched with (the launch bound's share, 96 a thread), so the
+// consumers can only take what the producer gives back (setmaxnreg.inc would wait forever).
+constexpr int kPrefillLaunchRegs = 65536 / kPrefillThreads / 8 * 8;
+constexpr int kPrefillProducerRegs = 24;
+constexpr int kPrefillConsumerRegs = 112;
+static_assert(kPrefillProducerRegs * 128 + kPrefillConsumerRegs * 32 * kPrefillConsumerWarps <=
+                  kPrefillLaunchRegs * kPrefillThreads,
+              "prefill_scores_kernel: the warpgroups' registers exceed the CTA's");
+
+constexpr int kPrefillStages = 4;
+
+struct PrefillStreamStorage {
+  Bf16Tile<kPageSize> stage[kPrefillStages];
+  Bf16Tile<kPrefillVectors> q;
+  uint64_t full[kPrefillStages];   // the page's TMA bytes have landed
+  uint64_t empty[kPrefillStages];  // every consumer warp is done with it
+};
+
+// max that returns NaN when either operand is NaN: a page score is NaN when any of its token
+// scores is, and fmaxf alone would skip it.
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float d;
+  asm("max.NaN.f32 %0, %1, %2;\n" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+
+// The segment of a tile that starts at row `seg`: its end (rows of one request) and the end
+// of the run's pages that its rows need.
+struct Segment {
+  int64_t end;
+  int64_t page_end;
+  int32_t req;
+};
+__device__ __forceinline__ Segment tile_segment(const ScoreArgs& a, int64_t seg, int64_t tile_end, int64_t page_begin) {
+  Segment s{seg + 1, 0, a.request[seg]};
+  while (s.end < tile_end && a.request[s.end] == s.req) ++s.end;
+  s.page_end = min(page_begin + a.pages_per_cta, scored_pages(a.positions[s.end - 1], a.topk));  // positions rise
+  return s;
+}
+
+template <bool QFp8>
+__global__ void __launch_bounds__(kPrefillThreads, 1)
+    prefill_scores_kernel(const ScoreArgs a, const __grid_constant__ CUtensorMap k_map) {
+  using Storage = PrefillStreamStorage;
+  constexpr int kStageBytes = int(sizeof(Bf16Tile<kPageSize>));
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t base = align1024(smem_addr(smem_raw));
+  Storage& smem = *reinterpret_cast<Storage*>(smem_raw + (base - smem_addr(smem_raw)));
+  const uint32_t stage0 = base + uint32_t(offsetof(Storage, stage));
+  const uint32_t q_tile = base + uint32_t(offsetof(Storage, q));
+  const uint32_t full0 = smem_addr(&smem.full[0]), empty0 = smem_addr(&smem.empty[0]);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+
+  if (threadIdx.x < kPrefillStages) {
+    mbar_init(full0 + 8 * threadIdx.x, 1);
+    mbar_init(empty0 + 8 * threadIdx.x, kPrefillConsumerWarps);
+  }
+  __syncthreads();
+
+  const int64_t tile_begin = a.row_begin + int64_t(blockIdx.x) * a.tile_rows;
+  const int64_t tile_end = min(tile_begin + a.tile_rows, a.row_end);
+  const int64_t page_begin = int64_t(blockIdx.y) * a.pages_per_cta;
+
+  if (warp >= kPrefillConsumerWarps) {  // producer: the pages of every segment, in order
+    setmaxnreg_dec<kPrefillProducerRegs>();
+    if (warp == kPrefillConsumerWarps && lane == 0) {
+      const uint64_t policy = l2_evict_last();  // every tile of the step reads these pages
+      int n = 0;
+      for (int64_t seg = tile_begin; seg < tile_end;) {
+        const Segment sg = tile_segment(a, seg, tile_end, page_begin);
+        const int32_t* table = a.page_table + int64_t(sg.req) * a.max_pages;
+        for (int64_t j = page_begin; j < sg.page_end; ++j, ++n) {
+          const int s = n % kPrefillStages;
+          if (n >= kPrefillStages) mbar_wait(empty0 + 8 * s, (n / kPrefillStages - 1) & 1);
+          const uint32_t full = full0 + 8 * s, dst = stage0 + uint32_t(s * kStageBytes);
+          mbar_arrive_expect_tx(full, kStageBytes);
+          const int32_t phys = table[j];
+          tma_load_4d(dst, &k_map, 0, 0, 0, phys, full, policy);  // the page's two column halves
+          tma_load_4d(dst + kPageSize * 128, &k_map, 64, 0, 0, phys, full, policy);
+        }
+        seg = sg.end;
+      }
+    }
+    return;
+  }
+
+  setmaxnreg_inc<kPrefillConsumerRegs>();
+  const int wg = warp / 4, wg_thread = threadIdx.x % 128;
+  const int row0 = 64 * wg + 16 * (warp % 4);  // this warp's first vector
+  const uint64_t q_desc = tile_desc(q_tile, kPrefillVectors, 64 * wg, 0);
+  const auto barrier = PrefillIndexerBarrier(int(PrefillIndexerBarrier::kWarpgroup0) + wg);
+  int n = 0;
+  for (int64_t seg = tile_begin; seg < tile_end;) {
+    const Segment sg = tile_segment(a, seg, tile_end, page_begin);
+    if (page_begin < sg.page_end) {
+      const int nv = int(sg.end - seg) * a.hi;
+      const bool active = 64 * wg < nv;  // any of this warpgroup's vectors in use
+      if (active) {
+        // This warpgroup's 64 Q rows, written by its own threads (no other warpgroup reads them).
+        sync_barrier(barrier, 128);  // the previous segment's products are done with them
+        for (int i = wg_thread; i < 64 * kBf16RowChunks; i += 128) {
+          const int vec = 64 * wg + i / kBf16RowChunks, chunk = i % kBf16RowChunks;
+          uint4 val = make_uint4(0, 0, 0, 0);
+          if (vec < nv) load_q_chunk<QFp8>(a, seg + vec / a.hi, vec % a.hi, chunk, val);
+          st_shared_v4(q_tile + tile_offset(kPrefillVectors, vec, chunk), val.x, val.y, val.z, val.w);
+        }
+        fence_proxy_async();  // the rows are read by wgmma
+        sync_barrier(barrier, 128);
+      }
+      // Where lanes 0, 4, .. write the page maxima of rows g and g + 8 (null: not written).
+      float* out[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int vec = row0 + (lane >> 2) + 8 * h;
+        out[h] = (lane & 3) == 0 && vec < nv
+                     ? a.scores + ((seg + vec / a.hi - a.row_begin) * a.hi + vec % a.hi) * a.score_stride + page_begin
+                     : nullptr;
+      }
+      const int count = int(sg.page_end - page_begin);
+      for (int jj = 0; jj < count; ++jj, ++n) {
+        const int s = n % kPrefillStages;
+        mbar_wait(full0 + 8 * s, (n / kPrefillStages) & 1);
+        float acc[16][4];
+        if (active) {
+          const uint64_t k_desc = tile_desc(stage0 + uint32_t(s * kStageBytes), kPageSize, 0, 0);
+          wgmma_fence();
+#pragma unroll
+          for (int kk = 0; kk < 8; ++kk)
+            wgmma_m64n128k16(acc, q_desc + tile_desc_step(kPrefillVectors, kk), k_desc + tile_desc_step(kPageSize, kk),
+                             kk > 0);
+          wgmma_commit();
+          wgmma_wait<0>();
+        }
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty0 + 8 * s);  // the page's products are done
+        if (!active) continue;
+        // Rows g and g + 8 of the warp's 16 vectors: max over the page's 128 tokens, NaN
+        // propagating, as a tree for independent operations.
+        float m0[8], m1[8];
+#pragma unroll
+        for (int f = 0; f < 8; ++f) {
+          m0[f] = max_nan(max_nan(acc[2 * f][0], acc[2 * f][1]), max_nan(acc[2 * f + 1][0], acc[2 * f + 1][1]));
+          m1[f] = max_nan(max_nan(acc[2 * f][2], acc[2 * f][3]), max_nan(acc[2 * f + 1][2], acc[2 * f + 1][3]));
+        }
+#pragma unroll
+        for (int w = 4; w > 0; w >>= 1)
+#pragma unroll
+          for (int f = 0; f < w; ++f) m0[f] = max_nan(m0[f], m0[f + w]), m1[f] = max_nan(m1[f], m1[f + w]);
+        float b0 = m0[0], b1 = m1[0];
+#pragma unroll
+        for (int o = 1; o <= 2; o <<= 1) {
+          b0 = max_nan(b0, __shfl_xor_sync(0xffffffffu, b0, o));
+          b1 = max_nan(b1, __shfl_xor_sync(0xffffffffu, b1, o));
+        }
+        if (out[0]) out[0][jj] = b0;
+        if (out[1]) out[1][jj] = b1;
+      }
+    }
+    seg = sg.end;
+  }
+  griddep_launch_dependents();  // the selection may start its launch
+}
+
+template <bool QFp8>
+void launch_prefill_scores(ScoreArgs a, const CUtensorMap& k_map, int64_t tiles, int64_t history, cudaStream_t stream) {
+  constexpr int smem = 1024 + int(sizeof(PrefillStreamStorage));
+  static_assert(smem <= 227 * 1024, "shared memory of prefill_scores_kernel");
+  auto* kernel = prefill_scores_kernel<QFp8>;
+  static const int per_sm = configure_and_count(kernel, kPrefillThreads, smem);
+  const int64_t resident = int64_t(sm_count()) * per_sm;
+  a.pages_per_cta = int(std::clamp<int64_t>(ceil_div(tiles * history, resident), 1, kPrefillMaxPages));
+  const unsigned runs = unsigned(ceil_div(history, a.pages_per_cta));
+  kernel<<<dim3(unsigned(tiles), runs), kPrefillThreads, smem, stream>>>(a, k_map);
+  MSA_CUDA_CHECK_LAUNCH("prefill_scores_kernel");
+}
+
 struct SelectArgs {
   const float* scores;
   int64_t score_stride;
@@ -622,10 +815,11 @@ void paged_indexer(const InferencePlan& plan, const PagedIndexerParams& p, const
   se.local_blocks = plan.topo.local_blocks;
   se.out = p.topk.as<int32_t>();
 
-  // Decode over a bf16 index-K cache runs the streamed kernel, which reads the pages by TMA
-  // (rows 16-byte aligned, strides 16-byte multiples: checked in src/core/inference.cpp); the
-  // cache has no head axis, so the map's head dimension is one.
-  const bool streamed = decode && !k_fp8;
+  // Pages read by TMA (rows 16-byte aligned, strides 16-byte multiples: checked in
+  // src/core/inference.cpp; the cache has no head axis, so the map's head dimension is one)
+  // when the index-K cache is bf16: decode_scores_kernel or prefill_scores_kernel. An FP8 one
+  // is widened in registers (index_scores_kernel).
+  const bool streamed = !k_fp8;
   CUtensorMap k_map{};
   if (streamed)
     k_map = paged_cache_map(p.index_k_cache.data, p.index_k_cache.shape[0], 1, kHeadDim * 2, p.index_k_cache.stride[0] * 2,
@@ -639,9 +833,12 @@ void paged_indexer(const InferencePlan& plan, const PagedIndexerParams& p, const
     sa.row_end = se.row_end = r1;
     if (pages - 1 > plan.topo.topk - 1) {  // some row may rank history pages
       const int64_t tiles = ceil_div(r1 - r0, tile_rows);
-      if (streamed)
+      if (streamed && decode)
         q_fp8 ? launch_stream_scores_for<true>(int(tile_rows) * hi, sa, k_map, tiles, history, stream)
               : launch_stream_scores_for<false>(int(tile_rows) * hi, sa, k_map, tiles, history, stream);
+      else if (streamed)
+        q_fp8 ? launch_prefill_scores<true>(sa, k_map, tiles, history, stream)
+              : launch_prefill_scores<false>(sa, k_map, tiles, history, stream);
       else if (decode) launch_scores_for<DecodeScores>(q_fp8, k_fp8, sa, tiles, history, stream);
       else launch_scores_for<PrefillScores>(q_fp8, k_fp8, sa, tiles, history, stream);
     }
