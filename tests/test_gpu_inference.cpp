@@ -449,17 +449,23 @@ TEST(GpuInference, IndexerLongRunsMatchCpu) {
 }
 
 // Prefill runs of many pages per CTA: 1,300 queries over a 9k prefix (64-row tiles of four
-// index heads, ~13 pages a CTA) lap the 4-stage page ring of the prefill score kernel (bf16
-// index-K) three times, and a 40-query request shares the last tile with it (two segments in
-// one CTA). The FP8 index takes the register-widening kernel.
+// index heads, ~13 pages a CTA) lap the 4-stage page ring of the prefill score kernel three
+// times (and, for an FP8 index-K cache, its 2-stage ring of raw pages six times), and a
+// 40-query request shares the last tile with it (two segments in one CTA). Index formats:
+// bf16, FP8, and FP8 index-K with bf16 index-q (the same values widened).
 TEST(GpuInference, IndexerPrefillLongRunsMatchCpu) {
   MSA_REQUIRE_GPU();
   MSA_SEEDED_RNG(rng);
-  for (DType idt : {DType::bf16, DType::f8e4m3}) {
-    SCOPED_TRACE(idt == DType::f8e4m3 ? "fp8 index" : "bf16 index");
+  for (const char* name : {"bf16", "fp8", "fp8 index-K, bf16 index-q"}) {
+    SCOPED_TRACE(name);
     CaseOptions o;
-    o.index_dtype = idt;
-    const PagedCase c = make_prefill_case(rng, Topology::minimax_m3(), {9000, 3000}, {1300, 40}, o);
+    o.index_dtype = std::string(name) == "bf16" ? DType::bf16 : DType::f8e4m3;
+    PagedCase c = make_prefill_case(rng, Topology::minimax_m3(), {9000, 3000}, {1300, 40}, o);
+    if (std::string(name).find("bf16 index-q") != std::string::npos) {
+      HostTensor q(DType::bf16, c.index_q.shape());
+      for (int64_t e = 0; e < q.numel(); ++e) q.data<uint16_t>()[e] = float_to_bf16(e4m3_to_float(c.index_q.data<uint8_t>()[e]));
+      c.index_q = std::move(q);
+    }
     DeviceCase d(c);
     expect_selection_matches_cpu(c, gpu_indexer(c, d, gpu_plan(c)), cpu_indexer(c));
   }

@@ -3,12 +3,13 @@
 //      vectors sit in shared memory as a bf16 tile, every history page of the run is read once
 //      per CTA and S = q . k^T runs on tensor cores (fp32 accumulation). The page score
 //      max_t S (NaN if any token's score is NaN) goes to the plan's scratch [rows, Hi, pages].
-//      A bf16 index-K cache is read by TMA into a ring of stages that warps consume
-//      independently: decode_scores_kernel (decode tiles, one request's Q rows, mma.sync) and
-//      prefill_scores_kernel (256 (row, index head) vectors on wgmma). An FP8 one goes through
-//      index_scores_kernel, which widens each page in registers (16-byte loads, the next page
-//      in flight while the current one is multiplied) in two tile shapes (ScoreShape below).
-//      Prefill tiles may span several requests (handled one after another). Runs are shorter when the step is small, so that
+//      Pages are read by TMA into a ring of stages that warps consume independently:
+//      decode_scores_kernel (decode tiles, one request's Q rows, mma.sync; bf16 index-K) and
+//      prefill_scores_kernel (256 (row, index head) vectors on wgmma; FP8 index-K pages widened
+//      in shared memory), whose tiles may span several requests (handled one after another).
+//      Decode over an FP8 index-K cache goes through index_scores_kernel, which widens each
+//      page in registers (16-byte loads, the next page in flight while the current one is
+//      multiplied). Runs are shorter when the step is small, so that
 //      the grid fills the GPU: a CTA's pages are a chain of dependent loads, and a small grid
 //      of long chains costs their latency however little it reads.
 //   2. select_kernel: one warp per (row, index head) applies the selection rule of the CPU's
@@ -39,16 +40,11 @@ constexpr int kChunk = 16;                             // bytes of one 16-byte l
 constexpr int kBf16RowChunks = kHeadDim * 2 / kChunk;  // 16-byte chunks of a bf16 128-row
 constexpr int kFp8RowChunks = kHeadDim / kChunk;       // ... of an E4M3 row
 
-// The two shapes of index_scores_kernel. Every page a CTA reads is multiplied with all of its
-// (row, index head) vectors, so the larger the tile, the fewer times a page crosses from L2:
-//   decode: a tile is one request's Q <= 16 rows (<= 64 vectors): 4 m-tiles of 16 vectors x
-//     2 token halves of a page = 8 warps, runs of up to 8 pages;
-//   prefill: 256 vectors (64 rows of 4 index heads): 4 warpgroups of 64 vectors x the whole
-//     page on wgmma = 16 warps, one CTA an SM, runs of up to 32 pages (the Q tile is loaded
-//     once a run).
-template <int MTiles, int Halves, int MaxPages, bool WarpgroupMma>
+// The shape of index_scores_kernel (decode over an FP8 index-K cache): a tile is one request's
+// Q <= 16 rows (<= 64 vectors): 4 m-tiles of 16 vectors x 2 token halves of a page = 8 warps
+// on mma.sync, runs of up to 8 pages.
+template <int MTiles, int Halves, int MaxPages>
 struct ScoreShape {
-  static constexpr bool kWarpgroupMma = WarpgroupMma;  // wgmma on 64-vector warpgroup tiles (else mma.sync)
   static constexpr int kMTiles = MTiles;
   static constexpr int kHalves = Halves;                      // token slices of a page
   static constexpr int kVectors = 16 * MTiles;                // (row, index head) vectors of a tile
@@ -56,9 +52,7 @@ struct ScoreShape {
   static constexpr int kFrags = kPageSize / Halves / 8;       // n8 fragments of a warp's tokens
   static constexpr int kMaxPagesPerCta = MaxPages;
 };
-using DecodeScores = ScoreShape<4, 2, 8, false>;
-using PrefillScores = ScoreShape<16, 1, 32, true>;
-static_assert(!PrefillScores::kWarpgroupMma || PrefillScores::kHalves == 1, "a warpgroup tile spans the whole page");
+using DecodeScores = ScoreShape<4, 2, 8>;
 
 // A [Rows, 128] bf16 tile in the swizzled layout of tile_offset (device.cuh).
 template <int Rows>
@@ -74,8 +68,7 @@ struct ScoresStorage {
   Bf16Tile<Shape::kVectors> q;
   float partial[Shape::kHalves][Shape::kVectors];
 };
-static_assert(offsetof(ScoresStorage<DecodeScores>, q) % 1024 == 0 && offsetof(ScoresStorage<PrefillScores>, q) % 1024 == 0,
-              "index_scores_kernel: swizzled tiles must be 1024-byte aligned");
+static_assert(offsetof(ScoresStorage<DecodeScores>, q) % 1024 == 0, "index_scores_kernel: swizzled tiles must be 1024-byte aligned");
 
 struct ScoreArgs {
   const uint8_t* q;        // bf16 or fp8
@@ -211,30 +204,22 @@ __global__ void __launch_bounds__(Shape::kThreads) index_scores_kernel(const Sco
       for (int64_t j = page_begin; j < page_end; ++j) {
         __syncthreads();  // the previous page's products are done
         store_page<KFp8, NT>(k_tile, regs);
-        if constexpr (Shape::kWarpgroupMma) fence_proxy_async();  // the stores (and the Q tile's) are read by wgmma
         __syncthreads();
         if (j + 1 < page_end) fetch_page<KFp8, NT>(a, table[j + 1], regs);
-        // The warp's m-tile (rows of the C layout) is in use: a warpgroup's four m-tiles go together.
-        const bool active = Shape::kWarpgroupMma ? (warp / 4) * 64 < nv : mt * 16 < nv;
-        if (active) {
+        if (mt * 16 < nv) {  // the warp's m-tile is in use
           float acc[kFrags][4];
-          if constexpr (Shape::kWarpgroupMma) {
-            static_assert(kFrags == 16, "a warpgroup tile is 64 vectors x 128 tokens");
-            wgmma_rows_x128(acc, q_tile, kVectors, 64 * (warp / 4), k_tile, kPageSize, 0);
-          } else {
 #pragma unroll
-            for (int n = 0; n < kFrags; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
+          for (int n = 0; n < kFrags; ++n) acc[n][0] = acc[n][1] = acc[n][2] = acc[n][3] = 0.0f;
 #pragma unroll
-            for (int kk = 0; kk < 8; ++kk) {
-              uint32_t qa[4];
-              load_a(qa, q_tile, kVectors, mt * 16, kk * 16, lane);
+          for (int kk = 0; kk < 8; ++kk) {
+            uint32_t qa[4];
+            load_a(qa, q_tile, kVectors, mt * 16, kk * 16, lane);
 #pragma unroll
-              for (int np = 0; np < kFrags / 2; ++np) {
-                uint32_t kb[4];
-                load_b_nk(kb, k_tile, kPageSize, half * (kPageSize / kHalves) + np * 16, kk * 16, lane);
-                mma_bf16(acc[2 * np], qa, kb[0], kb[1]);
-                mma_bf16(acc[2 * np + 1], qa, kb[2], kb[3]);
-              }
+            for (int np = 0; np < kFrags / 2; ++np) {
+              uint32_t kb[4];
+              load_b_nk(kb, k_tile, kPageSize, half * (kPageSize / kHalves) + np * 16, kk * 16, lane);
+              mma_bf16(acc[2 * np], qa, kb[0], kb[1]);
+              mma_bf16(acc[2 * np + 1], qa, kb[2], kb[3]);
             }
           }
           float best0 = -INFINITY, best1 = -INFINITY;
@@ -449,30 +434,60 @@ void launch_stream_scores_for(int vectors, const ScoreArgs& a, const CUtensorMap
 // vectors' page maxima and hands the stage back (`empty` counts the 16 consumer warps). The warpgroups meet at no
 // CTA-wide barrier, so one's epilogue overlaps the others' products. A tile that spans
 // requests is taken one request (segment) at a time; every warpgroup rewrites its own Q rows
-// (FP8 index-q widened to bf16 exactly).
+// (FP8 index-q widened to bf16 exactly). An FP8 index-K page lands by TMA in a raw ring of
+// kPrefillRawStages and three producer warps widen it into the bf16 stage (exactly: E4M3
+// values are bf16 values), so the product and its exactness are the bf16 cache's.
 constexpr int kPrefillConsumerWarpgroups = 4;
 constexpr int kPrefillConsumerWarps = 4 * kPrefillConsumerWarpgroups;
 constexpr int kPrefillThreads = 32 * kPrefillConsumerWarps + 128;  // + the producer warpgroup (one warp works)
 constexpr int kPrefillVectors = 64 * kPrefillConsumerWarpgroups;
 constexpr int kPrefillMaxPages = 64;  // pages of a run: the Q tile's load is paid once a run
-// Registers a thread: the producer warpgroup gives most of its share to the consumers. The
-// CTA's pool is what it was launched with (the launch bound's share, 96 a thread), so the
-// consumers can only take what the producer gives back (setmaxnreg.inc would wait forever).
-constexpr int kPrefillLaunchRegs = 65536 / kPrefillThreads / 8 * 8;
-constexpr int kPrefillProducerRegs = 24;
-constexpr int kPrefillConsumerRegs = 112;
-static_assert(kPrefillProducerRegs * 128 + kPrefillConsumerRegs * 32 * kPrefillConsumerWarps <=
-                  kPrefillLaunchRegs * kPrefillThreads,
-              "prefill_scores_kernel: the warpgroups' registers exceed the CTA's");
-
 constexpr int kPrefillStages = 4;
+constexpr int kPrefillRawStages = 2;                       // FP8 index-K pages as they land
+constexpr int kPrefillWideners = 96;                       // producer warps 1-3 widen FP8 pages
+constexpr int kFp8PageBytes = kPageSize * kHeadDim;        // one E4M3 page: 128 rows of 128 codes
 
+// Registers a thread: the producer warpgroup gives most of its share to the consumers (fewer
+// when it widens FP8 pages). The CTA's pool is what it was launched with (the launch bound's
+// share, 96 a thread), so the consumers can only take what the producer gives back
+// (setmaxnreg.inc would wait forever).
+constexpr int kPrefillLaunchRegs = 65536 / kPrefillThreads / 8 * 8;
+template <bool KFp8>
+struct PrefillRegs {
+  static constexpr int kProducer = KFp8 ? 56 : 24;
+  static constexpr int kConsumer = KFp8 ? 104 : 112;
+  static_assert(kProducer * 128 + kConsumer * 32 * kPrefillConsumerWarps <= kPrefillLaunchRegs * kPrefillThreads,
+                "prefill_scores_kernel: the warpgroups' registers exceed the CTA's");
+};
+
+template <bool KFp8>
 struct PrefillStreamStorage {
   Bf16Tile<kPageSize> stage[kPrefillStages];
   Bf16Tile<kPrefillVectors> q;
-  uint64_t full[kPrefillStages];   // the page's TMA bytes have landed
-  uint64_t empty[kPrefillStages];  // every consumer warp is done with it
+  uint8_t raw[KFp8 ? kPrefillRawStages : 1][kFp8PageBytes];  // unswizzled E4M3 rows (unused for bf16)
+  uint64_t full[kPrefillStages];              // the page is in its stage (TMA bytes, or the wideners)
+  uint64_t empty[kPrefillStages];             // every consumer warp is done with it
+  uint64_t raw_full[kPrefillRawStages];       // an FP8 page's TMA bytes have landed
+  uint64_t raw_empty[kPrefillRawStages];      // the wideners are done with it
 };
+
+// Widens the FP8 page at `raw` (row t's 16-byte chunk c at t * 128 + 16 c) into the bf16
+// tile `tile` (two chunks, 2c and 2c + 1, of row t); thread `w` of the kPrefillWideners.
+__device__ __forceinline__ void widen_fp8_page(uint32_t raw, uint32_t tile, int w) {
+  for (int c = w; c < kPageSize * kFp8RowChunks; c += kPrefillWideners) {
+    const int t = c / kFp8RowChunks, col = c % kFp8RowChunks;
+    const uint4 v = ld_shared_v4(raw + uint32_t(c * kChunk));
+    const uint32_t in[4] = {v.x, v.y, v.z, v.w};
+    uint32_t o[8];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      o[2 * j] = e4m3x2_to_bf16x2(in[j]);
+      o[2 * j + 1] = e4m3x2_to_bf16x2(in[j] >> 16);
+    }
+    st_shared_v4(tile + tile_offset(kPageSize, t, 2 * col), o[0], o[1], o[2], o[3]);
+    st_shared_v4(tile + tile_offset(kPageSize, t, 2 * col + 1), o[4], o[5], o[6], o[7]);
+  }
+}
 
 // max that returns NaN when either operand is NaN: a page score is NaN when any of its token
 // scores is, and fmaxf alone would skip it.
@@ -483,7 +498,7 @@ __device__ __forceinline__ float max_nan(float a, float b) {
 }
 
 // The segment of a tile that starts at row `seg`: its end (rows of one request) and the end
-// of the run's pages that its rows need.
+// of the run's pages that its rows need. Producer and consumer roles walk the same segments.
 struct Segment {
   int64_t end;
   int64_t page_end;
@@ -496,10 +511,11 @@ __device__ __forceinline__ Segment tile_segment(const ScoreArgs& a, int64_t seg,
   return s;
 }
 
-template <bool QFp8>
+template <bool QFp8, bool KFp8>
 __global__ void __launch_bounds__(kPrefillThreads, 1)
     prefill_scores_kernel(const ScoreArgs a, const __grid_constant__ CUtensorMap k_map) {
-  using Storage = PrefillStreamStorage;
+  using Storage = PrefillStreamStorage<KFp8>;
+  using Regs = PrefillRegs<KFp8>;
   constexpr int kStageBytes = int(sizeof(Bf16Tile<kPageSize>));
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = align1024(smem_addr(smem_raw));
@@ -507,11 +523,16 @@ __global__ void __launch_bounds__(kPrefillThreads, 1)
   const uint32_t stage0 = base + uint32_t(offsetof(Storage, stage));
   const uint32_t q_tile = base + uint32_t(offsetof(Storage, q));
   const uint32_t full0 = smem_addr(&smem.full[0]), empty0 = smem_addr(&smem.empty[0]);
+  const uint32_t raw_full0 = smem_addr(&smem.raw_full[0]), raw_empty0 = smem_addr(&smem.raw_empty[0]);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 
   if (threadIdx.x < kPrefillStages) {
-    mbar_init(full0 + 8 * threadIdx.x, 1);
+    mbar_init(full0 + 8 * threadIdx.x, KFp8 ? kPrefillWideners : 1);
     mbar_init(empty0 + 8 * threadIdx.x, kPrefillConsumerWarps);
+  }
+  if (threadIdx.x < kPrefillRawStages) {
+    mbar_init(raw_full0 + 8 * threadIdx.x, 1);
+    mbar_init(raw_empty0 + 8 * threadIdx.x, kPrefillWideners);
   }
   __syncthreads();
 
@@ -519,30 +540,54 @@ __global__ void __launch_bounds__(kPrefillThreads, 1)
   const int64_t tile_end = min(tile_begin + a.tile_rows, a.row_end);
   const int64_t page_begin = int64_t(blockIdx.y) * a.pages_per_cta;
 
-  if (warp >= kPrefillConsumerWarps) {  // producer: the pages of every segment, in order
-    setmaxnreg_dec<kPrefillProducerRegs>();
-    if (warp == kPrefillConsumerWarps && lane == 0) {
-      const uint64_t policy = l2_evict_last();  // every tile of the step reads these pages
-      int n = 0;
-      for (int64_t seg = tile_begin; seg < tile_end;) {
-        const Segment sg = tile_segment(a, seg, tile_end, page_begin);
-        const int32_t* table = a.page_table + int64_t(sg.req) * a.max_pages;
-        for (int64_t j = page_begin; j < sg.page_end; ++j, ++n) {
+  // Calls f(n, page table row of the segment, logical page) for the run's pages in order.
+  auto for_each_page = [&](auto&& f) {
+    int n = 0;
+    for (int64_t seg = tile_begin; seg < tile_end;) {
+      const Segment sg = tile_segment(a, seg, tile_end, page_begin);
+      const int32_t* table = a.page_table + int64_t(sg.req) * a.max_pages;
+      for (int64_t j = page_begin; j < sg.page_end; ++j, ++n) f(n, table, j);
+      seg = sg.end;
+    }
+  };
+
+  if (warp >= kPrefillConsumerWarps) {  // producer warpgroup: the pages of every segment, in order
+    setmaxnreg_dec<Regs::kProducer>();
+    const int pw = warp - kPrefillConsumerWarps;
+    const uint64_t policy = l2_evict_last();  // every tile of the step reads these pages
+    if (pw == 0 && lane == 0) {  // TMA: into the stage (bf16) or the raw ring (FP8)
+      for_each_page([&](int n, const int32_t* table, int64_t j) {
+        const int32_t phys = table[j];
+        if constexpr (KFp8) {
+          const int r = n % kPrefillRawStages;
+          if (n >= kPrefillRawStages) mbar_wait(raw_empty0 + 8 * r, (n / kPrefillRawStages - 1) & 1);
+          mbar_arrive_expect_tx(raw_full0 + 8 * r, kFp8PageBytes);
+          tma_load_4d(smem_addr(smem.raw[r]), &k_map, 0, 0, 0, phys, raw_full0 + 8 * r, policy);
+        } else {
           const int s = n % kPrefillStages;
           if (n >= kPrefillStages) mbar_wait(empty0 + 8 * s, (n / kPrefillStages - 1) & 1);
           const uint32_t full = full0 + 8 * s, dst = stage0 + uint32_t(s * kStageBytes);
           mbar_arrive_expect_tx(full, kStageBytes);
-          const int32_t phys = table[j];
           tma_load_4d(dst, &k_map, 0, 0, 0, phys, full, policy);  // the page's two column halves
           tma_load_4d(dst + kPageSize * 128, &k_map, 64, 0, 0, phys, full, policy);
         }
-        seg = sg.end;
-      }
+      });
+    } else if (KFp8 && pw > 0) {  // wideners: raw page -> bf16 stage
+      const int w = threadIdx.x - 32 * (kPrefillConsumerWarps + 1);
+      for_each_page([&](int n, const int32_t*, int64_t) {
+        const int r = n % kPrefillRawStages, s = n % kPrefillStages;
+        mbar_wait(raw_full0 + 8 * r, (n / kPrefillRawStages) & 1);
+        if (n >= kPrefillStages) mbar_wait(empty0 + 8 * s, (n / kPrefillStages - 1) & 1);
+        widen_fp8_page(smem_addr(smem.raw[r]), stage0 + uint32_t(s * kStageBytes), w);
+        mbar_arrive(raw_empty0 + 8 * r);
+        fence_proxy_async();  // the stage is read by wgmma
+        mbar_arrive(full0 + 8 * s);
+      });
     }
     return;
   }
 
-  setmaxnreg_inc<kPrefillConsumerRegs>();
+  setmaxnreg_inc<Regs::kConsumer>();
   const int wg = warp / 4, wg_thread = threadIdx.x % 128;
   const int row0 = 64 * wg + 16 * (warp % 4);  // this warp's first vector
   const uint64_t q_desc = tile_desc(q_tile, kPrefillVectors, 64 * wg, 0);
@@ -619,11 +664,11 @@ __global__ void __launch_bounds__(kPrefillThreads, 1)
   griddep_launch_dependents();  // the selection may start its launch
 }
 
-template <bool QFp8>
+template <bool QFp8, bool KFp8>
 void launch_prefill_scores(ScoreArgs a, const CUtensorMap& k_map, int64_t tiles, int64_t history, cudaStream_t stream) {
-  constexpr int smem = 1024 + int(sizeof(PrefillStreamStorage));
+  constexpr int smem = 1024 + int(sizeof(PrefillStreamStorage<KFp8>));
   static_assert(smem <= 227 * 1024, "shared memory of prefill_scores_kernel");
-  auto* kernel = prefill_scores_kernel<QFp8>;
+  auto* kernel = prefill_scores_kernel<QFp8, KFp8>;
   static const int per_sm = configure_and_count(kernel, kPrefillThreads, smem);
   const int64_t resident = int64_t(sm_count()) * per_sm;
   a.pages_per_cta = int(std::clamp<int64_t>(ceil_div(tiles * history, resident), 1, kPrefillMaxPages));
@@ -783,7 +828,7 @@ void paged_indexer(const InferencePlan& plan, const PagedIndexerParams& p, const
   // would only queue behind it), and chunks hold whole requests. Prefill: as many rows as
   // fill the large tile's vectors.
   const bool decode = plan.phase == InferencePhase::decode;
-  const int64_t tile_rows = decode ? plan.q_len_per_req : std::min<int64_t>(PrefillScores::kVectors / hi, chunk_rows);
+  const int64_t tile_rows = decode ? plan.q_len_per_req : std::min<int64_t>(kPrefillVectors / hi, chunk_rows);
   detail::require(chunk_rows >= tile_rows && score_stride >= pages - 1,
                   "paged_indexer: the plan's scratch does not fit this plan (build the plan on the CUDA device)");
   // index_k_cache rows are 16-byte aligned (checked in src/core/inference.cpp).
@@ -815,15 +860,18 @@ void paged_indexer(const InferencePlan& plan, const PagedIndexerParams& p, const
   se.local_blocks = plan.topo.local_blocks;
   se.out = p.topk.as<int32_t>();
 
-  // Pages read by TMA (rows 16-byte aligned, strides 16-byte multiples: checked in
+  // Pages are read by TMA (rows 16-byte aligned, strides 16-byte multiples: checked in
   // src/core/inference.cpp; the cache has no head axis, so the map's head dimension is one)
-  // when the index-K cache is bf16: decode_scores_kernel or prefill_scores_kernel. An FP8 one
-  // is widened in registers (index_scores_kernel).
-  const bool streamed = !k_fp8;
+  // except in decode over an FP8 index-K cache, whose pages index_scores_kernel widens in
+  // registers.
+  const bool streamed = !(decode && k_fp8);
   CUtensorMap k_map{};
-  if (streamed)
-    k_map = paged_cache_map(p.index_k_cache.data, p.index_k_cache.shape[0], 1, kHeadDim * 2, p.index_k_cache.stride[0] * 2,
-                            p.index_k_cache.stride[0] * 2, p.index_k_cache.stride[1] * 2, "index_k_cache");
+  if (streamed) {
+    const int64_t elem = k_fp8 ? 1 : 2;  // bytes
+    k_map = paged_cache_map(p.index_k_cache.data, p.index_k_cache.shape[0], 1, int(kHeadDim * elem),
+                            p.index_k_cache.stride[0] * elem, p.index_k_cache.stride[0] * elem,
+                            p.index_k_cache.stride[1] * elem, "index_k_cache");
+  }
   const int64_t rows_per_chunk = chunk_rows / tile_rows * tile_rows;
   sa.tile_rows = int(tile_rows);
   const int64_t history = std::max<int64_t>(1, pages - 1);
@@ -833,14 +881,16 @@ void paged_indexer(const InferencePlan& plan, const PagedIndexerParams& p, const
     sa.row_end = se.row_end = r1;
     if (pages - 1 > plan.topo.topk - 1) {  // some row may rank history pages
       const int64_t tiles = ceil_div(r1 - r0, tile_rows);
-      if (streamed && decode)
+      if (decode && streamed)
         q_fp8 ? launch_stream_scores_for<true>(int(tile_rows) * hi, sa, k_map, tiles, history, stream)
               : launch_stream_scores_for<false>(int(tile_rows) * hi, sa, k_map, tiles, history, stream);
-      else if (streamed)
-        q_fp8 ? launch_prefill_scores<true>(sa, k_map, tiles, history, stream)
-              : launch_prefill_scores<false>(sa, k_map, tiles, history, stream);
       else if (decode) launch_scores_for<DecodeScores>(q_fp8, k_fp8, sa, tiles, history, stream);
-      else launch_scores_for<PrefillScores>(q_fp8, k_fp8, sa, tiles, history, stream);
+      else if (k_fp8)
+        q_fp8 ? launch_prefill_scores<true, true>(sa, k_map, tiles, history, stream)
+              : launch_prefill_scores<false, true>(sa, k_map, tiles, history, stream);
+      else
+        q_fp8 ? launch_prefill_scores<true, false>(sa, k_map, tiles, history, stream)
+              : launch_prefill_scores<false, false>(sa, k_map, tiles, history, stream);
     }
     const int64_t items = (r1 - r0) * hi;
     launch_programmatic("paged_indexer select_kernel", select_kernel, dim3(unsigned(ceil_div(items, kThreads / 32))),
