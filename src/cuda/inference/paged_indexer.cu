@@ -110,6 +110,15 @@ __device__ __forceinline__ void load_q_chunk(const ScoreArgs& a, int64_t row, in
   out = make_uint4(bf16x2_bits(v[0], v[1]), bf16x2_bits(v[2], v[3]), bf16x2_bits(v[4], v[5]), bf16x2_bits(v[6], v[7]));
 }
 
+// The same chunk of E4M3 index-q codes as f16 (exact).
+__device__ __forceinline__ uint4 load_q_chunk_f16(const ScoreArgs& a, int64_t row, int head, int chunk) {
+  const uint8_t* p = a.q + row * a.q_s0 + head * a.q_s1 + chunk * (kChunk / 2);  // 8 codes a chunk
+  uint32_t h[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) h[i] = e4m3x2_to_f16x2(uint32_t(p[2 * i]) | uint32_t(p[2 * i + 1]) << 8);
+  return make_uint4(h[0], h[1], h[2], h[3]);
+}
+
 // Writes the index-q vectors of rows first_row.. (vector v = row v / hi, head v % hi; nv of
 // them, zeros after) into a [kVectors, 128] bf16 tile; threads [0, NT) take part.
 template <int kVectors, int NT, bool QFp8>
@@ -435,8 +444,10 @@ void launch_stream_scores_for(int vectors, const ScoreArgs& a, const CUtensorMap
 // CTA-wide barrier, so one's epilogue overlaps the others' products. A tile that spans
 // requests is taken one request (segment) at a time; every warpgroup rewrites its own Q rows
 // (FP8 index-q widened to bf16 exactly). An FP8 index-K page lands by TMA in a raw ring of
-// kPrefillRawStages and three producer warps widen it into the bf16 stage (exactly: E4M3
-// values are bf16 values), so the product and its exactness are the bf16 cache's.
+// kPrefillRawStages and three producer warps widen it into the stage exactly, so the product
+// and its exactness are a 16-bit cache's: to f16 when index-q is FP8 too (one conversion a
+// pair of codes; f16 holds every E4M3 value, and both operands are then f16), else to bf16
+// (E4M3 values are bf16 values too, but the bf16 pair takes four conversions).
 constexpr int kPrefillConsumerWarpgroups = 4;
 constexpr int kPrefillConsumerWarps = 4 * kPrefillConsumerWarpgroups;
 constexpr int kPrefillThreads = 32 * kPrefillConsumerWarps + 128;  // + the producer warpgroup (one warp works)
@@ -471,8 +482,10 @@ struct PrefillStreamStorage {
   uint64_t raw_empty[kPrefillRawStages];      // the wideners are done with it
 };
 
-// Widens the FP8 page at `raw` (row t's 16-byte chunk c at t * 128 + 16 c) into the bf16
-// tile `tile` (two chunks, 2c and 2c + 1, of row t); thread `w` of the kPrefillWideners.
+// Widens the FP8 page at `raw` (row t's 16-byte chunk c at t * 128 + 16 c) into the 16-bit
+// tile `tile` (two chunks, 2c and 2c + 1, of row t), f16 or bf16; thread `w` of the
+// kPrefillWideners.
+template <bool F16>
 __device__ __forceinline__ void widen_fp8_page(uint32_t raw, uint32_t tile, int w) {
   for (int c = w; c < kPageSize * kFp8RowChunks; c += kPrefillWideners) {
     const int t = c / kFp8RowChunks, col = c % kFp8RowChunks;
@@ -481,8 +494,8 @@ __device__ __forceinline__ void widen_fp8_page(uint32_t raw, uint32_t tile, int 
     uint32_t o[8];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
-      o[2 * j] = e4m3x2_to_bf16x2(in[j]);
-      o[2 * j + 1] = e4m3x2_to_bf16x2(in[j] >> 16);
+      o[2 * j] = F16 ? e4m3x2_to_f16x2(in[j]) : e4m3x2_to_bf16x2(in[j]);
+      o[2 * j + 1] = F16 ? e4m3x2_to_f16x2(in[j] >> 16) : e4m3x2_to_bf16x2(in[j] >> 16);
     }
     st_shared_v4(tile + tile_offset(kPageSize, t, 2 * col), o[0], o[1], o[2], o[3]);
     st_shared_v4(tile + tile_offset(kPageSize, t, 2 * col + 1), o[4], o[5], o[6], o[7]);
@@ -516,6 +529,7 @@ __global__ void __launch_bounds__(kPrefillThreads, 1)
     prefill_scores_kernel(const ScoreArgs a, const __grid_constant__ CUtensorMap k_map) {
   using Storage = PrefillStreamStorage<KFp8>;
   using Regs = PrefillRegs<KFp8>;
+  constexpr bool kF16 = QFp8 && KFp8;  // both operands E4M3 codes: multiplied as f16
   constexpr int kStageBytes = int(sizeof(Bf16Tile<kPageSize>));
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = align1024(smem_addr(smem_raw));
@@ -578,7 +592,7 @@ __global__ void __launch_bounds__(kPrefillThreads, 1)
         const int r = n % kPrefillRawStages, s = n % kPrefillStages;
         mbar_wait(raw_full0 + 8 * r, (n / kPrefillRawStages) & 1);
         if (n >= kPrefillStages) mbar_wait(empty0 + 8 * s, (n / kPrefillStages - 1) & 1);
-        widen_fp8_page(smem_addr(smem.raw[r]), stage0 + uint32_t(s * kStageBytes), w);
+        widen_fp8_page<kF16>(smem_addr(smem.raw[r]), stage0 + uint32_t(s * kStageBytes), w);
         mbar_arrive(raw_empty0 + 8 * r);
         fence_proxy_async();  // the stage is read by wgmma
         mbar_arrive(full0 + 8 * s);
@@ -604,7 +618,10 @@ __global__ void __launch_bounds__(kPrefillThreads, 1)
         for (int i = wg_thread; i < 64 * kBf16RowChunks; i += 128) {
           const int vec = 64 * wg + i / kBf16RowChunks, chunk = i % kBf16RowChunks;
           uint4 val = make_uint4(0, 0, 0, 0);
-          if (vec < nv) load_q_chunk<QFp8>(a, seg + vec / a.hi, vec % a.hi, chunk, val);
+          if (vec < nv) {
+            if constexpr (kF16) val = load_q_chunk_f16(a, seg + vec / a.hi, vec % a.hi, chunk);
+            else load_q_chunk<QFp8>(a, seg + vec / a.hi, vec % a.hi, chunk, val);
+          }
           st_shared_v4(q_tile + tile_offset(kPrefillVectors, vec, chunk), val.x, val.y, val.z, val.w);
         }
         fence_proxy_async();  // the rows are read by wgmma
@@ -629,8 +646,8 @@ __global__ void __launch_bounds__(kPrefillThreads, 1)
           wgmma_fence();
 #pragma unroll
           for (int kk = 0; kk < 8; ++kk)
-            wgmma_m64n128k16(acc, q_desc + tile_desc_step(kPrefillVectors, kk), k_desc + tile_desc_step(kPageSize, kk),
-                             kk > 0);
+            wgmma_m64n128k16<kF16>(acc, q_desc + tile_desc_step(kPrefillVectors, kk),
+                                   k_desc + tile_desc_step(kPageSize, kk), kk > 0);
           wgmma_commit();
           wgmma_wait<0>();
         }
