@@ -219,17 +219,4 @@ void launch_chunk_walker(void (*kernel)(Args), const Args& args, int smem_bytes,
   if (err != cudaSuccess) throw_cuda_error(name, err, __FILE__, __LINE__);
 }
 
-// The kernel's shared storage at the first 1024-byte boundary of dynamic shared memory.
-inline constexpr int kSmemAlignSlack = 1024;
-inline constexpr int kMaxSmemBytes = 227 * 1024;  // opt-in limit per CTA on sm_90
-template <class Storage>
-__device__ __forceinline__ Storage& shared_storage(unsigned char* smem) {
-  return *reinterpret_cast<Storage*>(smem + (align1024(smem_addr(smem)) - smem_addr(smem)));
-}
-template <class Storage>
-constexpr int storage_smem_bytes() {
-  static_assert(sizeof(Storage) + kSmemAlignSlack <= kMaxSmemBytes, "shared storage over the sm_90 limit");
-  return int(sizeof(Storage)) + kSmemAlignSlack;
-}
-
 }  // namespace msa::cuda

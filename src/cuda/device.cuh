@@ -275,6 +275,20 @@ __device__ __forceinline__ void griddep_launch_dependents() { asm volatile("grid
 // Rounds a shared-memory address up to a multiple of 1024 bytes (swizzled tiles need it).
 __device__ __forceinline__ uint32_t align1024(uint32_t addr) { return (addr + 1023u) & ~1023u; }
 
+// A kernel's shared-memory plan (a struct of its tiles and barriers) at the first 1024-byte
+// boundary of its dynamic shared memory, and the bytes to launch it with.
+inline constexpr int kSmemAlignSlack = 1024;
+inline constexpr int kMaxSmemBytes = 227 * 1024;  // opt-in limit per CTA on sm_90
+template <class Storage>
+__device__ __forceinline__ Storage& shared_storage(unsigned char* smem) {
+  return *reinterpret_cast<Storage*>(smem + (align1024(smem_addr(smem)) - smem_addr(smem)));
+}
+template <class Storage>
+constexpr int storage_smem_bytes() {
+  static_assert(sizeof(Storage) + kSmemAlignSlack <= kMaxSmemBytes, "shared storage over the sm_90 limit");
+  return int(sizeof(Storage)) + kSmemAlignSlack;
+}
+
 __device__ __forceinline__ float warp_max4(float v) {  // over the 4 lanes of a quad
   v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
   return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));

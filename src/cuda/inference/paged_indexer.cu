@@ -184,10 +184,8 @@ __global__ void __launch_bounds__(Shape::kThreads) index_scores_kernel(const Sco
   constexpr int NT = Shape::kThreads, kVectors = Shape::kVectors, kHalves = Shape::kHalves, kFrags = Shape::kFrags;
   using Storage = ScoresStorage<Shape>;
   extern __shared__ uint8_t smem_raw[];
-  const uint32_t base = align1024(smem_addr(smem_raw));
-  Storage& smem = *reinterpret_cast<Storage*>(smem_raw + (base - smem_addr(smem_raw)));
-  const uint32_t k_tile = base + uint32_t(offsetof(Storage, k));  // [128 tokens, 128] bf16
-  const uint32_t q_tile = base + uint32_t(offsetof(Storage, q));  // [kVectors, 128] bf16
+  Storage& smem = shared_storage<Storage>(smem_raw);
+  const uint32_t k_tile = smem_addr(&smem.k), q_tile = smem_addr(&smem.q);  // [128 tokens / kVectors, 128] bf16
   auto& partial = smem.partial;
 
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -309,10 +307,8 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   constexpr int kVectors = 16 * MTiles;
   using Storage = StreamStorage<MTiles>;
   extern __shared__ uint8_t smem_raw[];
-  const uint32_t base = align1024(smem_addr(smem_raw));
-  Storage& smem = *reinterpret_cast<Storage*>(smem_raw + (base - smem_addr(smem_raw)));
-  const uint32_t stage0 = base + uint32_t(offsetof(Storage, stage));
-  const uint32_t q_tile = base + uint32_t(offsetof(Storage, q));
+  Storage& smem = shared_storage<Storage>(smem_raw);
+  const uint32_t stage0 = smem_addr(&smem.stage[0]), q_tile = smem_addr(&smem.q);
   const uint32_t full0 = smem_addr(&smem.full[0]), empty0 = smem_addr(&smem.empty[0]);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 
@@ -415,8 +411,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
 template <int MTiles, bool QFp8>
 void launch_stream_scores(const ScoreArgs& args, const CUtensorMap& k_map, int64_t tiles, int64_t history,
                           cudaStream_t stream) {
-  constexpr int smem = 1024 + int(sizeof(StreamStorage<MTiles>));
-  static_assert(smem <= 227 * 1024, "shared memory of decode_scores_kernel");
+  constexpr int smem = storage_smem_bytes<StreamStorage<MTiles>>();
   auto* kernel = decode_scores_kernel<MTiles, QFp8>;
   static const int per_sm = configure_and_count(kernel, kStreamThreads, smem);
   // As many runs a tile as keep every tile's runs in one wave (at least one run a tile).
@@ -532,10 +527,8 @@ __global__ void __launch_bounds__(kPrefillThreads, 1)
   constexpr bool kF16 = QFp8 && KFp8;  // both operands E4M3 codes: multiplied as f16
   constexpr int kStageBytes = int(sizeof(Bf16Tile<kPageSize>));
   extern __shared__ uint8_t smem_raw[];
-  const uint32_t base = align1024(smem_addr(smem_raw));
-  Storage& smem = *reinterpret_cast<Storage*>(smem_raw + (base - smem_addr(smem_raw)));
-  const uint32_t stage0 = base + uint32_t(offsetof(Storage, stage));
-  const uint32_t q_tile = base + uint32_t(offsetof(Storage, q));
+  Storage& smem = shared_storage<Storage>(smem_raw);
+  const uint32_t stage0 = smem_addr(&smem.stage[0]), q_tile = smem_addr(&smem.q);
   const uint32_t full0 = smem_addr(&smem.full[0]), empty0 = smem_addr(&smem.empty[0]);
   const uint32_t raw_full0 = smem_addr(&smem.raw_full[0]), raw_empty0 = smem_addr(&smem.raw_empty[0]);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -683,8 +676,7 @@ __global__ void __launch_bounds__(kPrefillThreads, 1)
 
 template <bool QFp8, bool KFp8>
 void launch_prefill_scores(ScoreArgs a, const CUtensorMap& k_map, int64_t tiles, int64_t history, cudaStream_t stream) {
-  constexpr int smem = 1024 + int(sizeof(PrefillStreamStorage<KFp8>));
-  static_assert(smem <= 227 * 1024, "shared memory of prefill_scores_kernel");
+  constexpr int smem = storage_smem_bytes<PrefillStreamStorage<KFp8>>();
   auto* kernel = prefill_scores_kernel<QFp8, KFp8>;
   static const int per_sm = configure_and_count(kernel, kPrefillThreads, smem);
   const int64_t resident = int64_t(sm_count()) * per_sm;
@@ -810,7 +802,7 @@ __global__ void __launch_bounds__(kThreads) select_kernel(const SelectArgs a) {
 // once (SMs x CTAs per SM) when the step has that much work.
 template <class Shape, bool QFp8, bool KFp8>
 void launch_scores(ScoreArgs a, int64_t tiles, int64_t history, cudaStream_t stream) {
-  constexpr int smem = 1024 + int(sizeof(ScoresStorage<Shape>));
+  constexpr int smem = storage_smem_bytes<ScoresStorage<Shape>>();
   auto* kernel = index_scores_kernel<Shape, QFp8, KFp8>;
   static const int per_sm = configure_and_count(kernel, Shape::kThreads, smem);
   const int64_t resident = int64_t(sm_count()) * per_sm;
