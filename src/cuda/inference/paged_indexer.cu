@@ -9,9 +9,9 @@
 //      in shared memory), whose tiles may span several requests (handled one after another).
 //      Decode over an FP8 index-K cache goes through index_scores_kernel, which widens each
 //      page in registers (16-byte loads, the next page in flight while the current one is
-//      multiplied). Runs are shorter when the step is small, so that
-//      the grid fills the GPU: a CTA's pages are a chain of dependent loads, and a small grid
-//      of long chains costs their latency however little it reads.
+//      multiplied). Runs are shorter when the step is small, so that the grid fills the GPU:
+//      a CTA's pages are a chain of dependent loads, and a small grid of long chains costs
+//      their latency however little it reads.
 //   2. select_kernel: one warp per (row, index head) applies the selection rule of the CPU's
 //      select_row in one pass over the page scores: init pages, the best history pages by
 //      (score desc, page id asc) with NaN never chosen, then the local pages; -1 padding;
@@ -68,7 +68,8 @@ struct ScoresStorage {
   Bf16Tile<Shape::kVectors> q;
   float partial[Shape::kHalves][Shape::kVectors];
 };
-static_assert(offsetof(ScoresStorage<DecodeScores>, q) % 1024 == 0, "index_scores_kernel: swizzled tiles must be 1024-byte aligned");
+static_assert(offsetof(ScoresStorage<DecodeScores>, q) % 1024 == 0,
+              "index_scores_kernel: swizzled tiles must be 1024-byte aligned");
 
 struct ScoreArgs {
   const uint8_t* q;        // bf16 or fp8
@@ -431,18 +432,20 @@ void launch_stream_scores_for(int vectors, const ScoreArgs& a, const CUtensorMap
   else launch_stream_scores<4, QFp8>(a, k_map, tiles, history, stream);
 }
 
-// Prefill scores over a bf16 index-K cache, streamed: CTA = (tile of up to 256 (row, index
-// head) vectors, run of logical pages). A producer warp brings the run's pages by TMA into a
-// ring of kPrefillStages stages; each of the four consumer warpgroups owns 64 vectors (their
-// index-q rows stay in shared memory for the run), multiplies every page on wgmma, writes its
-// vectors' page maxima and hands the stage back (`empty` counts the 16 consumer warps). The warpgroups meet at no
+// Prefill scores, streamed: CTA = (tile of up to 256 (row, index head) vectors, run of
+// logical pages). A producer warp brings the run's pages by TMA into a ring of kPrefillStages
+// stages; each of the four consumer warpgroups owns 64 vectors (their index-q rows stay in
+// shared memory for the run), multiplies every page on wgmma, writes its vectors' page maxima
+// and hands the stage back (`empty` counts the 16 consumer warps). The warpgroups meet at no
 // CTA-wide barrier, so one's epilogue overlaps the others' products. A tile that spans
 // requests is taken one request (segment) at a time; every warpgroup rewrites its own Q rows
 // (FP8 index-q widened to bf16 exactly). An FP8 index-K page lands by TMA in a raw ring of
 // kPrefillRawStages and three producer warps widen it into the stage exactly, so the product
 // and its exactness are a 16-bit cache's: to f16 when index-q is FP8 too (one conversion a
 // pair of codes; f16 holds every E4M3 value, and both operands are then f16), else to bf16
-// (E4M3 values are bf16 values too, but the bf16 pair takes four conversions).
+// (E4M3 values are bf16 values too, but the bf16 pair takes four conversions). FP8 codes are
+// not multiplied on FP8 tensor cores: Hopper's FP8 accumulation truncates (docs/performance.md
+// run 20), and the contract's scores are fp32 dot products.
 constexpr int kPrefillConsumerWarpgroups = 4;
 constexpr int kPrefillConsumerWarps = 4 * kPrefillConsumerWarpgroups;
 constexpr int kPrefillThreads = 32 * kPrefillConsumerWarps + 128;  // + the producer warpgroup (one warp works)
