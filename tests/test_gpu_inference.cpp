@@ -463,7 +463,8 @@ TEST(GpuInference, IndexerPrefillLongRunsMatchCpu) {
     PagedCase c = make_prefill_case(rng, Topology::minimax_m3(), {9000, 3000}, {1300, 40}, o);
     if (std::string(name).find("bf16 index-q") != std::string::npos) {
       HostTensor q(DType::bf16, c.index_q.shape());
-      for (int64_t e = 0; e < q.numel(); ++e) q.data<uint16_t>()[e] = float_to_bf16(e4m3_to_float(c.index_q.data<uint8_t>()[e]));
+      for (int64_t e = 0; e < q.numel(); ++e)
+        q.data<uint16_t>()[e] = float_to_bf16(e4m3_to_float(c.index_q.data<uint8_t>()[e]));
       c.index_q = std::move(q);
     }
     DeviceCase d(c);

@@ -67,16 +67,15 @@ __device__ __forceinline__ uint32_t bf16x2_bits(float lo, float hi) {
   return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-// The two E4M3 codes of the low 16 bits of `codes` (low byte first) -> their bf16 pair, exactly
-// (E4M3 values are bf16 values): one conversion for the pair, the same values as
-// bf16x2_bits(e4m3_to_f32(lo), e4m3_to_f32(hi)).
-// The two E4M3 codes of the low 16 bits of `codes` -> their f16 pair, exactly (f16 holds every
-// E4M3 value, subnormals included; NaN stays NaN): one conversion.
+// The two E4M3 codes of the low 16 bits of `codes` (low byte first) -> their f16 pair, exactly
+// (f16 holds every E4M3 value, subnormals included; NaN stays NaN): one conversion.
 __device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t codes) {
   const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(codes & 0xffffu), __NV_E4M3);
   return uint32_t(h.x) | uint32_t(h.y) << 16;
 }
 
+// The same two codes -> their bf16 pair, exactly (E4M3 values are bf16 values): the same values
+// as bf16x2_bits(e4m3_to_f32(lo), e4m3_to_f32(hi)).
 __device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t codes) {
   const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(codes & 0xffffu), __NV_E4M3);
   const float2 f = __half22float2(__half2(h));
