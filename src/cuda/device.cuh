@@ -289,6 +289,14 @@ constexpr int storage_smem_bytes() {
   return int(sizeof(Storage)) + kSmemAlignSlack;
 }
 
+// max that returns NaN when either operand is NaN (one instruction): a block or page score is
+// NaN when any of its scores is, and fmaxf alone would skip it.
+__device__ __forceinline__ float max_nan(float a, float b) {
+  float d;
+  asm("max.NaN.f32 %0, %1, %2;\n" : "=f"(d) : "f"(a), "f"(b));
+  return d;
+}
+
 __device__ __forceinline__ float warp_max4(float v) {  // over the 4 lanes of a quad
   v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
   return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));

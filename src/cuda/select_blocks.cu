@@ -57,8 +57,6 @@ struct IndexerArgs {
   float lse_scale_log2;  // scale / temperature * log2(e)
 };
 
-__device__ __forceinline__ float nan_max(float m, float x) { return (x > m || x != x) ? x : m; }
-
 __global__ void __launch_bounds__(kThreads, 1) select_blocks_kernel(const IndexerArgs a, const IndexerDocs docs) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, t = lane & 3;
@@ -135,14 +133,14 @@ __global__ void __launch_bounds__(kThreads, 1) select_blocks_kernel(const Indexe
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int c = nt * 8 + 2 * t + e;
-          if (c <= la) ma = nan_max(ma, s[nt][e]);
-          if (c <= lb) mb = nan_max(mb, s[nt][2 + e]);
+          if (c <= la) ma = max_nan(ma, s[nt][e]);
+          if (c <= lb) mb = max_nan(mb, s[nt][2 + e]);
         }
       }
-      ma = nan_max(ma, __shfl_xor_sync(0xffffffffu, ma, 1));
-      ma = nan_max(ma, __shfl_xor_sync(0xffffffffu, ma, 2));
-      mb = nan_max(mb, __shfl_xor_sync(0xffffffffu, mb, 1));
-      mb = nan_max(mb, __shfl_xor_sync(0xffffffffu, mb, 2));
+      ma = max_nan(ma, __shfl_xor_sync(0xffffffffu, ma, 1));
+      ma = max_nan(ma, __shfl_xor_sync(0xffffffffu, ma, 2));
+      mb = max_nan(mb, __shfl_xor_sync(0xffffffffu, mb, 1));
+      mb = max_nan(mb, __shfl_xor_sync(0xffffffffu, mb, 2));
 
       const float own_m = (t & 1) ? mb : ma;
       const bool visible = own_valid && own_pos >= j * kBlock;

@@ -500,14 +500,6 @@ __device__ __forceinline__ void widen_fp8_page(uint32_t raw, uint32_t tile, int 
   }
 }
 
-// max that returns NaN when either operand is NaN: a page score is NaN when any of its token
-// scores is, and fmaxf alone would skip it.
-__device__ __forceinline__ float max_nan(float a, float b) {
-  float d;
-  asm("max.NaN.f32 %0, %1, %2;\n" : "=f"(d) : "f"(a), "f"(b));
-  return d;
-}
-
 // The segment of a tile that starts at row `seg`: its end (rows of one request) and the end
 // of the run's pages that its rows need. Producer and consumer roles walk the same segments.
 struct Segment {
