@@ -135,11 +135,7 @@ template <KvSourceKind Kind>
 __device__ __forceinline__ void widen_chunk(const RawChunk& raw, uint32_t (&out)[kWidened<Kind> / 2]) {
   const uint32_t w[4] = {raw.codes.x, raw.codes.y, raw.codes.z, raw.codes.w};
   if constexpr (Kind == KvSourceKind::paged_fp8) {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      out[2 * j] = inference::e4m3x2_to_bf16x2(w[j]);
-      out[2 * j + 1] = inference::e4m3x2_to_bf16x2(w[j] >> 16);
-    }
+    inference::e4m3x16_widen(raw.codes, out);
   } else if constexpr (Kind == KvSourceKind::paged_nvfp4) {
     // Values 32c .. 32c + 31: block scales 2c (words 0, 1) and 2c + 1 (words 2, 3).
     const float s0 = inference::e4m3_to_f32(uint8_t(raw.scales)), s1 = inference::e4m3_to_f32(uint8_t(raw.scales >> 8));

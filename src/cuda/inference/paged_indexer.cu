@@ -487,14 +487,8 @@ template <bool F16>
 __device__ __forceinline__ void widen_fp8_page(uint32_t raw, uint32_t tile, int w) {
   for (int c = w; c < kPageSize * kFp8RowChunks; c += kPrefillWideners) {
     const int t = c / kFp8RowChunks, col = c % kFp8RowChunks;
-    const uint4 v = ld_shared_v4(raw + uint32_t(c * kChunk));
-    const uint32_t in[4] = {v.x, v.y, v.z, v.w};
     uint32_t o[8];
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      o[2 * j] = F16 ? e4m3x2_to_f16x2(in[j]) : e4m3x2_to_bf16x2(in[j]);
-      o[2 * j + 1] = F16 ? e4m3x2_to_f16x2(in[j] >> 16) : e4m3x2_to_bf16x2(in[j] >> 16);
-    }
+    e4m3x16_widen<F16>(ld_shared_v4(raw + uint32_t(c * kChunk)), o);
     st_shared_v4(tile + tile_offset(kPageSize, t, 2 * col), o[0], o[1], o[2], o[3]);
     st_shared_v4(tile + tile_offset(kPageSize, t, 2 * col + 1), o[4], o[5], o[6], o[7]);
   }

@@ -82,6 +82,18 @@ __device__ __forceinline__ uint32_t e4m3x2_to_bf16x2(uint32_t codes) {
   return bf16x2_bits(f.x, f.y);
 }
 
+// The 16 E4M3 codes of a 16-byte chunk (low byte first) -> 8 words of value pairs, exactly:
+// out[2j], out[2j + 1] are the pairs of word j's low and high halves; bf16, or f16 with F16.
+template <bool F16 = false>
+__device__ __forceinline__ void e4m3x16_widen(const uint4& codes, uint32_t (&out)[8]) {
+  const uint32_t w[4] = {codes.x, codes.y, codes.z, codes.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    out[2 * j] = F16 ? e4m3x2_to_f16x2(w[j]) : e4m3x2_to_bf16x2(w[j]);
+    out[2 * j + 1] = F16 ? e4m3x2_to_f16x2(w[j] >> 16) : e4m3x2_to_bf16x2(w[j] >> 16);
+  }
+}
+
 // 8-byte asynchronous global -> shared copy (zero-filled when src_bytes = 0).
 __device__ __forceinline__ void cp_async8(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes));
