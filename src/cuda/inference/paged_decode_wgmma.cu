@@ -169,26 +169,9 @@ __device__ __forceinline__ void scan_sides(const AttnArgs& a, DecodeStorage<Cons
       mbar_wait(smem_addr(&sm.raw_full[r]), (j / RS) & 1);
       if (j >= S) mbar_wait(smem_addr(&sm.empty[slot]), ((j / S) - 1) & 1);
       const uint32_t raw = base + uint32_t(offsetof(Storage, raw) + r * sizeof(RawSide));
-      for (int i = st; i < kPageSize * kHeadDim / 16; i += kScanThreads) {  // 16 codes -> bf16 chunks 2c, 2c + 1
-        const int t = i >> 3, c = i & 7;
-        const uint32_t dst0 = side + tile_offset(kPageSize, t, 2 * c), dst1 = side + tile_offset(kPageSize, t, 2 * c + 1);
-        if (t >= read) {
-          st_shared_v4_zero(dst0);
-          st_shared_v4_zero(dst1);
-          continue;
-        }
-        const uint4 w = ld_shared_v4(raw + uint32_t(t * kHeadDim + c * 16));
-        const uint32_t words[4] = {w.x, w.y, w.z, w.w};
-        uint32_t o[8];
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          o[2 * k] = inference::e4m3x2_to_bf16x2(words[k]);
-          o[2 * k + 1] = inference::e4m3x2_to_bf16x2(words[k] >> 16);
-          if (j & 1) bad |= nonfinite_bf16x2_signs(o[2 * k]) | nonfinite_bf16x2_signs(o[2 * k + 1]);
-        }
-        st_shared_v4(dst0, o[0], o[1], o[2], o[3]);
-        st_shared_v4(dst1, o[4], o[5], o[6], o[7]);
-      }
+      // A V side's NaN codes flag it (E4M3 has no infinity); K needs none: a score a row must not see becomes -inf whatever it was.
+      if (j & 1) bad = inference::widen_fp8_side<kScanThreads, false, true>(raw, side, st, read);
+      else inference::widen_fp8_side<kScanThreads, false, false>(raw, side, st, read);
       mbar_arrive(smem_addr(&sm.raw_free[r]));
     } else {
       mbar_wait(smem_addr(&sm.full[slot]), (j / S) & 1);

@@ -480,20 +480,6 @@ struct PrefillStreamStorage {
   uint64_t raw_empty[kPrefillRawStages];      // the wideners are done with it
 };
 
-// Widens the FP8 page at `raw` (row t's 16-byte chunk c at t * 128 + 16 c) into the 16-bit
-// tile `tile` (two chunks, 2c and 2c + 1, of row t), f16 or bf16; thread `w` of the
-// kPrefillWideners.
-template <bool F16>
-__device__ __forceinline__ void widen_fp8_page(uint32_t raw, uint32_t tile, int w) {
-  for (int c = w; c < kPageSize * kFp8RowChunks; c += kPrefillWideners) {
-    const int t = c / kFp8RowChunks, col = c % kFp8RowChunks;
-    uint32_t o[8];
-    e4m3x16_widen<F16>(ld_shared_v4(raw + uint32_t(c * kChunk)), o);
-    st_shared_v4(tile + tile_offset(kPageSize, t, 2 * col), o[0], o[1], o[2], o[3]);
-    st_shared_v4(tile + tile_offset(kPageSize, t, 2 * col + 1), o[4], o[5], o[6], o[7]);
-  }
-}
-
 // The segment of a tile that starts at row `seg`: its end (rows of one request) and the end
 // of the run's pages that its rows need. Producer and consumer roles walk the same segments.
 struct Segment {
@@ -574,7 +560,7 @@ __global__ void __launch_bounds__(kPrefillThreads, 1)
         const int r = n % kPrefillRawStages, s = n % kPrefillStages;
         mbar_wait(raw_full0 + 8 * r, (n / kPrefillRawStages) & 1);
         if (n >= kPrefillStages) mbar_wait(empty0 + 8 * s, (n / kPrefillStages - 1) & 1);
-        widen_fp8_page<kF16>(smem_addr(smem.raw[r]), stage0 + uint32_t(s * kStageBytes), w);
+        widen_fp8_side<kPrefillWideners, kF16, false>(smem_addr(smem.raw[r]), stage0 + uint32_t(s * kStageBytes), w);
         mbar_arrive(raw_empty0 + 8 * r);
         fence_proxy_async();  // the stage is read by wgmma
         mbar_arrive(full0 + 8 * s);

@@ -11,6 +11,7 @@
 
 #include "backend_inference.h"
 #include "cuda/common.cuh"
+#include "cuda/device.cuh"
 
 namespace msa::cuda::inference {
 
@@ -92,6 +93,59 @@ __device__ __forceinline__ void e4m3x16_widen(const uint4& codes, uint32_t (&out
     out[2 * j] = F16 ? e4m3x2_to_f16x2(w[j]) : e4m3x2_to_bf16x2(w[j]);
     out[2 * j + 1] = F16 ? e4m3x2_to_f16x2(w[j] >> 16) : e4m3x2_to_bf16x2(w[j] >> 16);
   }
+}
+
+// 0x80 in each byte of `codes` that is an E4M3 NaN (0x7f / 0xff; E4M3 has no infinity), else
+// 0: a byte whose low 7 bits are all ones carries into its top bit when 1 is added (and into
+// no other byte). Two integer operations a word; ORed over words, one test.
+__device__ __forceinline__ uint32_t e4m3x4_nan_bytes(uint32_t codes) {
+  return ((codes & 0x7f7f7f7fu) + 0x01010101u) & 0x80808080u;
+}
+
+// Widens one side of an FP8 page (kPageSize rows x kHeadDim E4M3 codes, row-major at the
+// shared address `raw`) into the 16-bit tile at `tile` (tile_offset(kPageSize, row, chunk):
+// source chunk c of a row gives tile chunks 2c and 2c + 1), bf16 or with F16 f16, by the
+// Threads threads w = 0 .. Threads - 1. Rows from `rows_read` on are zeroed instead (cache
+// slots not written yet). A thread loads kBatch chunks before it converts and stores any: the
+// shared-memory accesses are ordered (volatile), so one chunk at a time would pay the load's
+// latency per chunk. Returns, with CheckNaN, whether this thread met a NaN code in a row below
+// rows_read.
+template <int Threads, bool F16, bool CheckNaN>
+__device__ __forceinline__ bool widen_fp8_side(uint32_t raw, uint32_t tile, int w, int rows_read = kPageSize) {
+  constexpr int kRowChunks = kHeadDim / 16;         // 16-byte chunks of an E4M3 row
+  constexpr int kChunks = kPageSize * kRowChunks;   // of the side
+  constexpr int kBatch = 4;
+  constexpr int kRounds = (kChunks + Threads * kBatch - 1) / (Threads * kBatch);
+  uint32_t nan_bytes = 0;
+#pragma unroll 1
+  for (int round = 0; round < kRounds; ++round) {
+    uint4 codes[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int c = w + Threads * (kBatch * round + i);
+      if (c < kChunks) codes[i] = ld_shared_v4(raw + uint32_t(16 * c));
+    }
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int c = w + Threads * (kBatch * round + i);
+      if (c >= kChunks) break;
+      const int t = c / kRowChunks, col = c % kRowChunks;
+      const uint32_t dst0 = tile + tile_offset(kPageSize, t, 2 * col), dst1 = tile + tile_offset(kPageSize, t, 2 * col + 1);
+      if (t >= rows_read) {
+        st_shared_v4_zero(dst0);
+        st_shared_v4_zero(dst1);
+        continue;
+      }
+      if constexpr (CheckNaN)
+        nan_bytes |= e4m3x4_nan_bytes(codes[i].x) | e4m3x4_nan_bytes(codes[i].y) | e4m3x4_nan_bytes(codes[i].z) |
+                     e4m3x4_nan_bytes(codes[i].w);
+      uint32_t o[8];
+      e4m3x16_widen<F16>(codes[i], o);
+      st_shared_v4(dst0, o[0], o[1], o[2], o[3]);
+      st_shared_v4(dst1, o[4], o[5], o[6], o[7]);
+    }
+  }
+  return nan_bytes != 0;
 }
 
 // 8-byte asynchronous global -> shared copy (zero-filled when src_bytes = 0).
