@@ -12,11 +12,11 @@
 // scale multiply the logits, per-token K scales each logit column, per-token V scales the
 // probabilities fed to P V (not the sums), the per-tensor V scale the output.
 //
-// A producer warpgroup feeds a ring of bf16 sides (one side, K or V, of a page: 32 KB):
+// Producer warps feed a ring of bf16 sides (one side, K or V, of a page: 32 KB):
 //   issuer (one thread)     TMA of a side into a free slot: bf16 sides straight into the ring
 //                           (two column-half boxes), FP8 codes into a staging ring of raw sides;
-//   scanners (3 warps)      per side: FP8 codes widened into the ring (exact: E4M3 values are
-//                           bf16 values) with the side's per-token scales; rows past the most
+//   scanners (3 warps, 7    per side: FP8 codes widened into the ring (exact: E4M3 values are
+//    for FP8 caches)        bf16 values) with the side's per-token scales; rows past the most
 //                           tokens any row reads zeroed (cache slots not written yet: garbage);
 //                           V sides flagged when a row that some row reads holds inf / NaN.
 // A row that gets P = 0 on a key must not get 0 * inf = NaN from it (the NaN-isolation
@@ -45,24 +45,34 @@ constexpr int kRowsPerWarpgroup = 4;                  // warp w of a consumer wa
 constexpr int kSideBytes = kPageSize * kHeadDim * 2;  // one bf16 side of a page: 32 KB
 constexpr int kBoxBytes = kSideBytes / 2;             // one bf16 TMA box: 64 columns of the 128 rows
 constexpr int kFp8SideBytes = kPageSize * kHeadDim;   // one FP8 side: one box of 16 KB
-constexpr int kScanThreads = 96;                      // producer warps 1-3
-constexpr int kScanWarps = kScanThreads / 32;
 constexpr int kSharedLimit = 227 * 1024;
-// setmaxnreg with two consumer warpgroups: the producer warpgroup gives registers to them
-// (they need more than 65536 / 384).
-constexpr int kProducerRegs = 72;
-constexpr int kConsumerRegs = 216;
 static_assert(kRowsPerWarpgroup * kGroupSize == 64, "a warpgroup's wgmma rows are 4 query rows x 16 heads");
 
 // The CTA's shape by its consumer warpgroups (1: tiles of <= 4 rows, 2: of <= 8) and the
-// cache format: as many ring slots as shared memory holds.
+// cache format: as many ring slots as shared memory holds; the producers are one warpgroup
+// (the issuer and 3 scanner warps) for bf16 and two (7 scanners) for FP8, whose widening is
+// the producers' bottleneck: three warps widen a 16 KB side in ~1,300 cycles
+// (bench/experiments/fp8_widen_probe.cu), more than the ~1,100 an SM's share of HBM takes to
+// bring it.
 template <int Consumers, KvFormat F>
 struct DecodeShape {
   static constexpr bool kQuantised = F != KvFormat::bf16;
-  static constexpr int kThreads = 128 * (Consumers + 1);
+  static constexpr int kProducerGroups = kQuantised ? 2 : 1;
+  static constexpr int kThreads = 128 * (Consumers + kProducerGroups);
   static constexpr int kConsumerWarps = 4 * Consumers;
+  static constexpr int kScanThreads = 128 * kProducerGroups - 32;  // producer warps 1, 2, ..
+  static constexpr int kScanWarps = kScanThreads / 32;
   static constexpr int kSlots = !kQuantised ? (Consumers == 1 ? 6 : 5) : (Consumers == 1 ? 4 : 3);  // bf16 sides
   static constexpr int kRawSlots = !kQuantised ? 1 : (Consumers == 1 ? 4 : 5);                       // FP8 sides
+  // setmaxnreg when the launch's share (65536 / kThreads, in steps of 8) is below what the
+  // consumers need: the producers give theirs to them; the CTA's pool is that share.
+  static constexpr int kLaunchRegs = 65536 / kThreads / 8 * 8;
+  static constexpr bool kRebalance = kThreads > 256;
+  static constexpr int kProducerRegs = kProducerGroups == 1 ? 72 : 48;
+  static constexpr int kConsumerRegs = kProducerGroups == 1 ? 216 : (Consumers == 1 ? 232 : 208);
+  static_assert(!kRebalance || kProducerRegs * 128 * kProducerGroups + kConsumerRegs * 128 * Consumers <=
+                                   kLaunchRegs * kThreads,
+                "setmaxnreg: more registers than the CTA's pool");
 };
 
 struct alignas(1024) Side {
@@ -77,9 +87,9 @@ struct alignas(1024) QueryTile {
 
 // Shared memory of the kernel, from a 1024-byte aligned base; the barriers per slot:
 //   raw_full  FP8: the raw side's TMA bytes have landed (1 arrival + bytes)
-//   raw_free  FP8: the scanners have widened it (kScanThreads arrivals)
+//   raw_free  FP8: the scanners have widened it (Shape::kScanThreads arrivals)
 //   full      bf16: the side's TMA bytes have landed (1 arrival + bytes)
-//   ready     the scanners are done with the side (kScanThreads arrivals)
+//   ready     the scanners are done with the side (Shape::kScanThreads arrivals)
 //   empty     every consumer warp is done with it (kConsumerWarps arrivals)
 template <int Consumers, KvFormat F>
 struct DecodeStorage {
@@ -94,7 +104,7 @@ struct DecodeStorage {
   uint64_t full[Shape::kSlots];
   uint64_t ready[Shape::kSlots];
   uint64_t empty[Shape::kSlots];
-  uint32_t nonfinite[Shape::kSlots][kScanWarps];  // V side: per scanner warp, a row some tile row reads holds inf / NaN
+  uint32_t nonfinite[Shape::kSlots][Shape::kScanWarps];  // V side: per scanner warp, a row some tile row reads holds inf / NaN
   int32_t row_position[kMaxTileRows];
   int32_t last_split;  // splits > 1: this CTA is the (tile, KV head)'s last to finish
 };
@@ -138,25 +148,28 @@ __device__ __forceinline__ void issue_sides(DecodeStorage<Consumers, F>& sm, uin
   }
 }
 
-// Producer warps 1-3: each side ready for a product that every row of a warpgroup takes part
+// The scanners (producer warps 1, 2, ..): each side ready for a product that every row of a warpgroup takes part
 // in (bf16: in place; FP8: widened from the staging ring), with its per-token scales.
 template <int Consumers, KvFormat F, bool PerToken>
 __device__ __forceinline__ void scan_sides(const AttnArgs& a, DecodeStorage<Consumers, F>& sm, uint32_t base, int g,
                                            int items, int st) {
   using Shape = DecodeShape<Consumers, F>;
   using Storage = DecodeStorage<Consumers, F>;
-  constexpr int S = Shape::kSlots, RS = Shape::kRawSlots;
-  // The per-token scale of key t of item j (this thread's keys st, st + 96), loaded a side ahead.
-  auto load_scales = [&](int j, float (&out)[2]) {
-    out[0] = out[1] = 1.0f;
+  constexpr int S = Shape::kSlots, RS = Shape::kRawSlots, kScan = Shape::kScanThreads;
+  constexpr int kScanBatch = kScan > 128 ? 3 : 4;  // 16-byte chunks a scanner loads at once
+  constexpr int kKeysPerThread = (kPageSize + kScan - 1) / kScan;  // of a side's per-token scales
+  // The per-token scales of item j's keys st, st + kScan, .. (this thread's), loaded a side ahead.
+  auto load_scales = [&](int j, float (&out)[kKeysPerThread]) {
+#pragma unroll
+    for (int i = 0; i < kKeysPerThread; ++i) out[i] = 1.0f;
     if (!PerToken || j >= items) return;
     const int64_t slot0 = int64_t(sm.pages.page_physical[j / 2]) * kPageSize;
     const float* src = (j & 1) ? a.kv.v_token_scale + g * a.kv.v_token_stride : a.kv.k_token_scale + g * a.kv.k_token_stride;
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
-      if (st + kScanThreads * i < kPageSize) out[i] = src[slot0 + st + kScanThreads * i];
+    for (int i = 0; i < kKeysPerThread; ++i)
+      if (st + kScan * i < kPageSize) out[i] = src[slot0 + st + kScan * i];
   };
-  float scale[2], next[2];
+  float scale[kKeysPerThread], next[kKeysPerThread];
   load_scales(0, scale);
   for (int j = 0; j < items; ++j) {
     const int slot = j % S;
@@ -170,13 +183,13 @@ __device__ __forceinline__ void scan_sides(const AttnArgs& a, DecodeStorage<Cons
       if (j >= S) mbar_wait(smem_addr(&sm.empty[slot]), ((j / S) - 1) & 1);
       const uint32_t raw = base + uint32_t(offsetof(Storage, raw) + r * sizeof(RawSide));
       // A V side's NaN codes flag it (E4M3 has no infinity); K needs none: a score a row must not see becomes -inf whatever it was.
-      if (j & 1) bad = inference::widen_fp8_side<kScanThreads, false, true>(raw, side, st, read);
-      else inference::widen_fp8_side<kScanThreads, false, false>(raw, side, st, read);
+      if (j & 1) bad = inference::widen_fp8_side<kScan, false, true, kScanBatch>(raw, side, st, read);
+      else inference::widen_fp8_side<kScan, false, false, kScanBatch>(raw, side, st, read);
       mbar_arrive(smem_addr(&sm.raw_free[r]));
     } else {
       mbar_wait(smem_addr(&sm.full[slot]), (j / S) & 1);
       if (j & 1)
-        for (int i = st; i < kSideBytes / 16; i += kScanThreads) {
+        for (int i = st; i < kSideBytes / 16; i += kScan) {
           const int t = i >> 4;
           const uint32_t addr = side + tile_offset(kPageSize, t, i & 15);
           if (t >= read) {
@@ -189,8 +202,8 @@ __device__ __forceinline__ void scan_sides(const AttnArgs& a, DecodeStorage<Cons
         }
     }
 #pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int t = st + kScanThreads * i;
+    for (int i = 0; i < kKeysPerThread; ++i) {
+      const int t = st + kScan * i;
       if (t < kPageSize) sm.token_scale[slot][t] = t < read ? scale[i] : 0.0f;
       scale[i] = next[i];
     }
@@ -371,7 +384,8 @@ template <int Consumers, KvFormat F, bool PerToken>
 __device__ __forceinline__ void consume_pages(const AttnArgs& a, DecodeStorage<Consumers, F>& sm, uint32_t slots,
                                               uint32_t q_tile, int pages, int64_t r0, int nrows, int g, int split,
                                               int wg, int w, int lane) {
-  constexpr int S = DecodeShape<Consumers, F>::kSlots;
+  using Shape = DecodeShape<Consumers, F>;
+  constexpr int S = Shape::kSlots;
   const int quad = lane & 3, gr = lane >> 2;
   const int row = kRowsPerWarpgroup * wg + w;
   const uint32_t wg_rows = ((1u << kRowsPerWarpgroup) - 1u) << (kRowsPerWarpgroup * wg);
@@ -431,7 +445,7 @@ __device__ __forceinline__ void consume_pages(const AttnArgs& a, DecodeStorage<C
       const uint32_t v_side = slots + uint32_t(sv * kSideBytes);
       bool flagged = false;
 #pragma unroll
-      for (int i = 0; i < kScanWarps; ++i) flagged |= sm.nonfinite[sv][i] != 0;
+      for (int i = 0; i < Shape::kScanWarps; ++i) flagged |= sm.nonfinite[sv][i] != 0;
       if (!flagged) {
         wgmma_fence();
 #pragma unroll
@@ -497,12 +511,12 @@ __global__ void __launch_bounds__(DecodeShape<Consumers, F>::kThreads, 1)
   if (tid == 0) {
     for (int i = 0; i < Shape::kSlots; ++i) {
       mbar_init(smem_addr(&sm.full[i]), 1);
-      mbar_init(smem_addr(&sm.ready[i]), kScanThreads);
+      mbar_init(smem_addr(&sm.ready[i]), Shape::kScanThreads);
       mbar_init(smem_addr(&sm.empty[i]), Shape::kConsumerWarps);
     }
     for (int i = 0; i < Shape::kRawSlots; ++i) {
       mbar_init(smem_addr(&sm.raw_full[i]), 1);
-      mbar_init(smem_addr(&sm.raw_free[i]), kScanThreads);
+      mbar_init(smem_addr(&sm.raw_free[i]), Shape::kScanThreads);
     }
   }
   if (tid < kMaxTileRows) sm.row_position[tid] = tid < nrows ? a.positions[r0 + tid] : -1;
@@ -511,14 +525,14 @@ __global__ void __launch_bounds__(DecodeShape<Consumers, F>::kThreads, 1)
   __syncthreads();  // the page list
   const int items = 2 * pages;
 
-  if (warp >= Shape::kConsumerWarps) {  // 2. the producer warpgroup
-    if constexpr (Consumers > 1) setmaxnreg_dec<kProducerRegs>();
+  if (warp >= Shape::kConsumerWarps) {  // 2. the producer warpgroups
+    if constexpr (Shape::kRebalance) setmaxnreg_dec<Shape::kProducerRegs>();
     const int pt = tid - 32 * Shape::kConsumerWarps;
     if (pt == 0) issue_sides(sm, base, &k_map, &v_map, g, items);
     else if (pt >= 32) scan_sides<Consumers, F, PerToken>(a, sm, base, g, items, pt - 32);
     return;
   }
-  if constexpr (Consumers > 1) setmaxnreg_inc<kConsumerRegs>();
+  if constexpr (Shape::kRebalance) setmaxnreg_inc<Shape::kConsumerRegs>();
 
   // 3. The consumer warpgroup's query tile (rows past the tile's: zeros), then its pages.
   const int wg = warp / 4, w = warp % 4, wt = tid % 128;

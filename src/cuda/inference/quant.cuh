@@ -108,13 +108,12 @@ __device__ __forceinline__ uint32_t e4m3x4_nan_bytes(uint32_t codes) {
 // Threads threads w = 0 .. Threads - 1. Rows from `rows_read` on are zeroed instead (cache
 // slots not written yet). A thread loads kBatch chunks before it converts and stores any: the
 // shared-memory accesses are ordered (volatile), so one chunk at a time would pay the load's
-// latency per chunk. Returns, with CheckNaN, whether this thread met a NaN code in a row below
-// rows_read.
-template <int Threads, bool F16, bool CheckNaN>
+// latency per chunk (kBatch: as many as the caller's registers allow). Returns, with CheckNaN,
+// whether this thread met a NaN code in a row below rows_read.
+template <int Threads, bool F16, bool CheckNaN, int kBatch = 4>
 __device__ __forceinline__ bool widen_fp8_side(uint32_t raw, uint32_t tile, int w, int rows_read = kPageSize) {
   constexpr int kRowChunks = kHeadDim / 16;         // 16-byte chunks of an E4M3 row
   constexpr int kChunks = kPageSize * kRowChunks;   // of the side
-  constexpr int kBatch = 4;
   constexpr int kRounds = (kChunks + Threads * kBatch - 1) / (Threads * kBatch);
   uint32_t nan_bytes = 0;
 #pragma unroll 1
