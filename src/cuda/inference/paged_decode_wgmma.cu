@@ -75,6 +75,14 @@ struct DecodeShape {
                 "setmaxnreg: more registers than the CTA's pool");
 };
 
+// P V on f16 operands: V sides of an FP8 cache without per-token scales widen to f16 (one
+// conversion a pair of codes instead of bf16's four; f16 holds every E4M3 value) and P is
+// packed to f16 (p in [0, 1]: f16 keeps 3 more bits than bf16; below 2^-24 of the row's
+// maximum it flushes, far under the tolerance). With per-token V scales P carries them, whose
+// range f16 may not hold: bf16 there.
+template <KvFormat F, bool PerToken>
+constexpr bool kF16Values = F == KvFormat::fp8_e4m3 && !PerToken;
+
 struct alignas(1024) Side {
   uint8_t bytes[kSideBytes];  // 128 tokens x 128 bf16, swizzled (tile_offset), as the TMA boxes land
 };
@@ -182,8 +190,9 @@ __device__ __forceinline__ void scan_sides(const AttnArgs& a, DecodeStorage<Cons
       mbar_wait(smem_addr(&sm.raw_full[r]), (j / RS) & 1);
       if (j >= S) mbar_wait(smem_addr(&sm.empty[slot]), ((j / S) - 1) & 1);
       const uint32_t raw = base + uint32_t(offsetof(Storage, raw) + r * sizeof(RawSide));
-      // A V side's NaN codes flag it (E4M3 has no infinity); K needs none: a score a row must not see becomes -inf whatever it was.
-      if (j & 1) bad = inference::widen_fp8_side<kScan, false, true, kScanBatch>(raw, side, st, read);
+      // A V side's NaN codes flag it (E4M3 has no infinity); K needs none: a score a row must
+      // not see becomes -inf whatever it was. V sides widen to f16 when P V runs on f16.
+      if (j & 1) bad = inference::widen_fp8_side<kScan, kF16Values<F, PerToken>, true, kScanBatch>(raw, side, st, read);
       else inference::widen_fp8_side<kScan, false, false, kScanBatch>(raw, side, st, read);
       mbar_arrive(smem_addr(&sm.raw_free[r]));
     } else {
@@ -223,6 +232,7 @@ struct RowState {
 
 // Keys of a flagged V side through mma.sync: the keys past the row's limit zeroed (selection,
 // not multiplication), P of this warp's row.
+template <bool kF16>
 __device__ __forceinline__ void pv_masked(RowState& st, const uint32_t (&p)[8][4], uint32_t v, int limit, int lane) {
   const int quad = lane & 3;
 #pragma unroll
@@ -237,8 +247,8 @@ __device__ __forceinline__ void pv_masked(RowState& st, const uint32_t (&p)[8][4
         b[0] &= keep.x, b[1] &= keep.y, b[2] &= keep.x, b[3] &= keep.y;
       }
       const int n0 = 2 * jj, n1 = 2 * jj + 1;  // dim tiles of 8
-      mma_bf16(st.o[n0 / 8][n0 % 8], p[c], b[0], b[1]);
-      mma_bf16(st.o[n1 / 8][n1 % 8], p[c], b[2], b[3]);
+      mma_16816<kF16>(st.o[n0 / 8][n0 % 8], p[c], b[0], b[1]);
+      mma_16816<kF16>(st.o[n1 / 8][n1 % 8], p[c], b[2], b[3]);
     }
   }
 }
@@ -246,6 +256,7 @@ __device__ __forceinline__ void pv_masked(RowState& st, const uint32_t (&p)[8][4
 // The online-softmax step of this warp's row over a page: S (log2 units after the scales, keys
 // past `limit` at -inf) -> the rescaled state and P (times the per-token V scales) as bf16 A
 // fragments. `k_scale` / `v_scale`: the page's per-token scales, nullptr without.
+template <bool kF16>
 __device__ __forceinline__ void softmax_step(RowState& st, float (&s)[16][4], uint32_t (&p)[8][4], int limit,
                                              float qk_scale, const float* k_scale, const float* v_scale, int quad) {
   float mx[2] = {-INFINITY, -INFINITY};
@@ -285,8 +296,9 @@ __device__ __forceinline__ void softmax_step(RowState& st, float (&s)[16][4], ui
     st.l[1] += p2 + p3;
     // Keys past the limit have p = 0; their scale slots hold 0 (scan_sides), so the products stay 0.
     const float2 vs = v_scale ? *reinterpret_cast<const float2*>(v_scale + t) : make_float2(1.0f, 1.0f);
-    p[j / 2][2 * (j & 1)] = pack_bf16(p0 * vs.x, p1 * vs.y);      // A fragment: (head gr, keys 16c + 2q ..) then + 8 keys
-    p[j / 2][2 * (j & 1) + 1] = pack_bf16(p2 * vs.x, p3 * vs.y);  // (head gr + 8, same keys)
+    // A fragment: (head gr, keys 16c + 2q ..) then + 8 keys; (head gr + 8, same keys).
+    p[j / 2][2 * (j & 1)] = kF16 ? pack_f16(p0 * vs.x, p1 * vs.y) : pack_bf16(p0 * vs.x, p1 * vs.y);
+    p[j / 2][2 * (j & 1) + 1] = kF16 ? pack_f16(p2 * vs.x, p3 * vs.y) : pack_bf16(p2 * vs.x, p3 * vs.y);
   }
 }
 
@@ -386,6 +398,7 @@ __device__ __forceinline__ void consume_pages(const AttnArgs& a, DecodeStorage<C
                                               int wg, int w, int lane) {
   using Shape = DecodeShape<Consumers, F>;
   constexpr int S = Shape::kSlots;
+  constexpr bool kF16V = kF16Values<F, PerToken>;
   const int quad = lane & 3, gr = lane >> 2;
   const int row = kRowsPerWarpgroup * wg + w;
   const uint32_t wg_rows = ((1u << kRowsPerWarpgroup) - 1u) << (kRowsPerWarpgroup * wg);
@@ -429,7 +442,7 @@ __device__ __forceinline__ void consume_pages(const AttnArgs& a, DecodeStorage<C
     uint32_t p[8][4];
     if (computes) {
       if (mine) {
-        softmax_step(st, s, p, limit, qk_scale, PerToken ? sm.token_scale[sk] : nullptr,
+        softmax_step<kF16V>(st, s, p, limit, qk_scale, PerToken ? sm.token_scale[sk] : nullptr,
                      PerToken ? sm.token_scale[sv] : nullptr, quad);
       } else {
 #pragma unroll
@@ -451,11 +464,12 @@ __device__ __forceinline__ void consume_pages(const AttnArgs& a, DecodeStorage<C
 #pragma unroll
         for (int c = 0; c < kPageSize / 16; ++c)
 #pragma unroll
-          for (int half = 0; half < 2; ++half) wgmma_m64n64k16_rs_mn(st.o[half], p[c], tile_desc_mn(v_side, kPageSize, half, c));
+          for (int half = 0; half < 2; ++half)
+            wgmma_m64n64k16_rs_mn<kF16V>(st.o[half], p[c], tile_desc_mn(v_side, kPageSize, half, c));
         wgmma_commit();
         wgmma_wait<0>();
       } else if (mine) {
-        pv_masked(st, p, v_side, limit, lane);
+        pv_masked<kF16V>(st, p, v_side, limit, lane);
       }
     }
     __syncwarp();
