@@ -2,6 +2,8 @@
 // src/core has already validated. Backends never see unchecked user input.
 #pragma once
 
+#include <memory>
+
 #include "msa/ops.h"
 
 namespace msa {
@@ -36,6 +38,11 @@ void release(void* ptr, int device);
 void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, int64_t bytes, void* stream);
 void memset_zero(void* dst, int device, int64_t bytes, void* stream);
 void synchronize(int device);
+// An event recorded on `stream` now (no timing), destroyed with its last owner.
+std::shared_ptr<void> record_event(int device, void* stream);
+// Work queued on `stream` from now on waits for `event` (recorded on `event_stream`; nothing to
+// do when that is `stream`, or while `stream` is being captured into a graph).
+void wait_event(const std::shared_ptr<void>& event, void* event_stream, void* stream);
 int device_count();
 void select_blocks(const Topology&, const PackedLayout&, const SelectBlocksParams&, const RunOptions&);
 // `workspace`: the caller's scratch (checked: large enough, aligned) or empty to allocate one.

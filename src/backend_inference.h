@@ -67,8 +67,9 @@ int64_t decode_attention_concurrency(int device, int q_len_per_req);
 // Paged prefill attention runs on the KV-outer forward (src/cuda/inference/paged_prefill.cu):
 // the state a prefill plan keeps for it (InferencePlan::backend), built from the step's
 // host metadata, and the run.
+// Its uploads are queued on `stream` (the plan's).
 std::shared_ptr<void> prepare_paged_prefill(const InferencePlan&, const std::vector<int32_t>& cu_seqlens_q,
-                                            const std::vector<int32_t>& seq_lens);
+                                            const std::vector<int32_t>& seq_lens, void* stream);
 void paged_prefill_attention(const InferencePlan&, const PagedAttentionParams&, const RunOptions&);
 }  // namespace cuda
 

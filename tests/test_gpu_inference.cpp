@@ -8,8 +8,10 @@
 #include "test_gpu_support.h"
 
 #if MSA_WITH_CUDA
+#include <chrono>
 #include <cmath>
 #include <functional>
+#include <thread>
 #include <utility>
 #include <cuda_runtime.h>
 #endif
@@ -19,12 +21,13 @@ namespace {
 
 const Topology kSmall = Topology::minimax_m3(4);  // Hq 16, Hkv 1, Hi 1
 
-InferencePlan gpu_plan(const PagedCase& c, int splits = 0) {
+InferencePlan gpu_plan(const PagedCase& c, int splits = 0, void* stream = nullptr) {
   const HostTensor sl = int_tensor(c.seq_lens, {int64_t(c.seq_lens.size())});
   const HostTensor pt = int_tensor(c.page_table, {int64_t(c.seq_lens.size()), c.max_pages});
   InferencePlanOptions o;
   o.num_kv_splits = splits;
   o.device = kGpu;
+  o.stream = stream;
   if (c.phase == InferencePhase::decode) {
     DecodeMetadata m;
     m.seq_lens = sl.view();
@@ -687,6 +690,41 @@ TEST(GpuInference, PrefillStepGraphReplayWithNewContents) {
   MSA_SEEDED_RNG(rng);
   PagedCase c = make_prefill_case(rng, Topology::minimax_m3(), {2600, 0, 300}, {400, 90, 3}, format_options("fp8_token"));
   expect_graph_replays_match_cpu(rng, c, 0);
+}
+
+// Planning queues the plan's uploads on its stream and returns without waiting for the device;
+// a step run on another (non-blocking) stream waits for them on the device. The plan's stream
+// is held back by a host callback that sleeps, so a planner that waited would return after it
+// (the stream would be idle), and a run that did not wait would read the tables unwritten.
+TEST(GpuInference, PlanningDoesNotWaitAndRunsOnOtherStreamsWaitForThePlan) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  for (const bool prefill : {true, false}) {
+    SCOPED_TRACE(prefill ? "prefill" : "decode");
+    PagedCase c = prefill ? make_prefill_case(rng, Topology::minimax_m3(), {2600, 0, 300}, {400, 90, 3}, format_options("fp8"))
+                          : make_decode_case(rng, Topology::minimax_m3(), {3000, 0, 700, 140}, 8, format_options("fp8"));
+    const int splits = prefill ? 0 : 2;
+    DeviceCase d(c);
+    GpuOutputs o(c, DType::bf16);
+    cudaStream_t plan_stream, run_stream;
+    CHECK_CUDA(cudaStreamCreateWithFlags(&plan_stream, cudaStreamNonBlocking));
+    CHECK_CUDA(cudaStreamCreateWithFlags(&run_stream, cudaStreamNonBlocking));
+    CHECK_CUDA(cudaDeviceSynchronize());  // the case's copies and the outputs' poison are done
+    CHECK_CUDA(cudaLaunchHostFunc(
+        plan_stream, [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(500)); }, nullptr));
+    const InferencePlan plan = gpu_plan(c, splits, plan_stream);
+    EXPECT_EQ(cudaStreamQuery(plan_stream), cudaErrorNotReady) << "planning waited for its stream";
+    RunOptions opt;
+    opt.stream = run_stream;
+    gpu_paged_forward(plan, d, o, opt);
+    CHECK_CUDA(cudaStreamSynchronize(run_stream));
+    CHECK_CUDA(cudaStreamSynchronize(plan_stream));
+    const PagedOutputs got = o.host();
+    expect_selection_matches_cpu(c, got.topk, cpu_indexer(c));
+    expect_attention_matches_cpu(got, cpu_attention(c, got.topk, splits == 0 ? 1 : splits, DType::bf16));
+    CHECK_CUDA(cudaStreamDestroy(plan_stream));
+    CHECK_CUDA(cudaStreamDestroy(run_stream));
+  }
 }
 
 TEST(GpuInference, AutomaticSplitCountFollowsTheDevice) {

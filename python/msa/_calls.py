@@ -338,25 +338,36 @@ class PagedCache:
                 array(self.v_block_scale), array(self.k_scale), array(self.v_scale))
 
 
-def plan_paged_prefill(topo, cu_seqlens_q, seq_lens, page_table, *, device="cpu", num_kv_splits=0, num_threads=0):
+def plan_stream(device, stream):
+    """The stream of a plan on `device` as an int: `stream` when given, else PyTorch's current
+    stream for a CUDA device when PyTorch is in use, else 0."""
+    if stream is not None:
+        return integer(stream, "stream")
+    torch = sys.modules.get("torch")
+    return torch.cuda.current_stream(torch.device(device)).cuda_stream if torch and device.startswith("cuda") else 0
+
+
+def plan_paged_prefill(topo, cu_seqlens_q, seq_lens, page_table, *, device="cpu", num_kv_splits=0, num_threads=0,
+                       stream=None):
+    device = device_name(device)
     return _native.plan_paged_prefill(topo, host_int32(cu_seqlens_q, "cu_seqlens_q"), host_int32(seq_lens, "seq_lens"),
-                                      host_int32(page_table, "page_table"), device_name(device),
-                                      integer(num_kv_splits, "num_kv_splits"), num_threads_arg(num_threads))
+                                      host_int32(page_table, "page_table"), device,
+                                      integer(num_kv_splits, "num_kv_splits"), num_threads_arg(num_threads),
+                                      plan_stream(device, stream))
 
 
-def plan_decode(topo, seq_lens, page_table, q_len_per_req, *, device="cpu", num_kv_splits=0, num_threads=0):
+def plan_decode(topo, seq_lens, page_table, q_len_per_req, *, device="cpu", num_kv_splits=0, num_threads=0,
+                stream=None):
+    device = device_name(device)
     return _native.plan_decode(topo, host_int32(seq_lens, "seq_lens"), host_int32(page_table, "page_table"),
-                               integer(q_len_per_req, "q_len_per_req"), device_name(device),
-                               integer(num_kv_splits, "num_kv_splits"), num_threads_arg(num_threads))
+                               integer(q_len_per_req, "q_len_per_req"), device,
+                               integer(num_kv_splits, "num_kv_splits"), num_threads_arg(num_threads),
+                               plan_stream(device, stream))
 
 
 def update_decode_plan(plan, seq_lens, page_table, q_len_per_req, *, stream=None):
-    if stream is None:  # PyTorch's current stream for a CUDA plan when PyTorch is in use, else 0
-        torch = sys.modules.get("torch")
-        on_cuda = plan.device.startswith("cuda")
-        stream = torch.cuda.current_stream(torch.device(plan.device)).cuda_stream if torch and on_cuda else 0
     _native.update_decode_plan(plan, host_int32(seq_lens, "seq_lens"), host_int32(page_table, "page_table"),
-                               integer(q_len_per_req, "q_len_per_req"), integer(stream, "stream"))
+                               integer(q_len_per_req, "q_len_per_req"), plan_stream(plan.device, stream))
 
 
 def document_positions(*args, **kwargs):

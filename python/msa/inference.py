@@ -22,20 +22,22 @@ def _topology(topology):
 
 
 def plan_paged_prefill(cu_seqlens_q, seq_lens, page_table, topology=None, *, device="cpu", num_kv_splits=0,
-                       num_threads=0):
+                       num_threads=0, stream=None):
     """Plan of a prefill step: query rows of request b are [cu_seqlens_q[b], cu_seqlens_q[b+1]);
     seq_lens[b] counts the cached prefix plus this chunk; page_table [batch, max_pages] maps
-    logical to physical pages. topology defaults to MiniMax-M3 (64 / 4 heads)."""
+    logical to physical pages. topology defaults to MiniMax-M3 (64 / 4 heads). On a GPU the
+    plan's uploads are queued on `stream` (default: PyTorch's current stream) without waiting
+    for the device; runs on other streams wait for them on the device."""
     return _calls.plan_paged_prefill(_topology(topology), cu_seqlens_q, seq_lens, page_table, device=device,
-                                     num_kv_splits=num_kv_splits, num_threads=num_threads)
+                                     num_kv_splits=num_kv_splits, num_threads=num_threads, stream=stream)
 
 
 def plan_decode(seq_lens, page_table, q_len_per_req=1, topology=None, *, device="cpu", num_kv_splits=0,
-                num_threads=0):
+                num_threads=0, stream=None):
     """Plan of a decode step with q_len_per_req (1..16) query rows per request; seq_lens[b] = 0
-    marks a padding request."""
+    marks a padding request. `stream` as for plan_paged_prefill."""
     return _calls.plan_decode(_topology(topology), seq_lens, page_table, q_len_per_req, device=device,
-                              num_kv_splits=num_kv_splits, num_threads=num_threads)
+                              num_kv_splits=num_kv_splits, num_threads=num_threads, stream=stream)
 
 
 def update_decode_plan(plan, seq_lens, page_table, *, stream=None):

@@ -27,11 +27,12 @@ using OptOut = std::optional<OutArray>;
       nb::arg("k_block_scale").none() = nb::none(), nb::arg("v_block_scale").none() = nb::none(),              \
       nb::arg("k_scale").none() = nb::none(), nb::arg("v_scale").none() = nb::none()
 
-InferencePlanOptions plan_options(const std::string& device, int num_kv_splits, int num_threads) {
+InferencePlanOptions plan_options(const std::string& device, int num_kv_splits, int num_threads, uintptr_t stream) {
   InferencePlanOptions options;
   options.device = parse_device(device);
   options.num_kv_splits = num_kv_splits;
   options.num_threads = num_threads;
+  options.stream = reinterpret_cast<void*>(stream);
   return options;
 }
 
@@ -189,33 +190,33 @@ void bind_inference(nb::module_& m) {
   m.def(
       "plan_paged_prefill",
       [](const Topology& topo, const InArray& cu_seqlens_q, const InArray& seq_lens, const InArray& page_table,
-         const std::string& device, int num_kv_splits, int num_threads) {
+         const std::string& device, int num_kv_splits, int num_threads, uintptr_t stream) {
         PagedPrefillMetadata meta;
         meta.cu_seqlens_q = to_view(cu_seqlens_q, "cu_seqlens_q");
         meta.seq_lens = to_view(seq_lens, "seq_lens");
         meta.page_table = to_view(page_table, "page_table");
-        const InferencePlanOptions options = plan_options(device, num_kv_splits, num_threads);
+        const InferencePlanOptions options = plan_options(device, num_kv_splits, num_threads, stream);
         nb::gil_scoped_release unlocked;
         return plan_paged_prefill(topo, meta, options);
       },
       nb::arg("topology"), nb::arg("cu_seqlens_q"), nb::arg("seq_lens"), nb::arg("page_table"),
-      nb::arg("device") = "cpu", nb::arg("num_kv_splits") = 0, nb::arg("num_threads") = 0,
+      nb::arg("device") = "cpu", nb::arg("num_kv_splits") = 0, nb::arg("num_threads") = 0, nb::arg("stream") = 0,
       "Plans a paged (chunked) prefill step from int32 CPU metadata.");
 
   m.def(
       "plan_decode",
       [](const Topology& topo, const InArray& seq_lens, const InArray& page_table, int q_len_per_req,
-         const std::string& device, int num_kv_splits, int num_threads) {
+         const std::string& device, int num_kv_splits, int num_threads, uintptr_t stream) {
         DecodeMetadata meta;
         meta.seq_lens = to_view(seq_lens, "seq_lens");
         meta.page_table = to_view(page_table, "page_table");
         meta.q_len_per_req = q_len_per_req;
-        const InferencePlanOptions options = plan_options(device, num_kv_splits, num_threads);
+        const InferencePlanOptions options = plan_options(device, num_kv_splits, num_threads, stream);
         nb::gil_scoped_release unlocked;
         return plan_decode(topo, meta, options);
       },
       nb::arg("topology"), nb::arg("seq_lens"), nb::arg("page_table"), nb::arg("q_len_per_req") = 1,
-      nb::arg("device") = "cpu", nb::arg("num_kv_splits") = 0, nb::arg("num_threads") = 0,
+      nb::arg("device") = "cpu", nb::arg("num_kv_splits") = 0, nb::arg("num_threads") = 0, nb::arg("stream") = 0,
       "Plans a decode step (q_len_per_req queries per request) from int32 CPU metadata.");
 
   m.def(

@@ -7,6 +7,7 @@
 #include <climits>
 #include <cstring>
 
+#include "backend.h"
 #include "backend_inference.h"
 #include "core/buffer_pack.h"
 #include "core/check.h"
@@ -42,12 +43,12 @@ std::vector<int32_t> host_int32(const TensorView& t, const char* name, const std
   return v;
 }
 
-// Buffer on `device` holding a copy of host `values` with `shape`.
-Buffer device_copy(Device device, const std::vector<int32_t>& values, std::vector<int64_t> shape) {
-  Buffer b(device, DType::i32, shape);
+// Buffer on `device` holding a copy of host `values` with `shape` (queued on `stream`).
+Buffer device_copy(Device device, const std::vector<int32_t>& values, std::vector<int64_t> shape, void* stream) {
+  Buffer b(device, DType::i32, shape, stream);
   if (values.empty()) return b;
   const TensorView src = TensorView::contiguous(const_cast<int32_t*>(values.data()), DType::i32, shape);
-  copy(src, b.view());
+  copy(src, b.view(), stream);
   return b;
 }
 
@@ -58,12 +59,13 @@ class Int32Upload {
   void add(Buffer* target, const std::vector<int32_t>& values, std::vector<int64_t> shape) {
     pieces_.push_back({pack_.add(target, DType::i32, std::move(shape)), &values});
   }
-  void run(Device device) {
-    const Buffer whole = pack_.allocate(device, nullptr);
+  // Queued on `stream` (pageable host memory: the values are staged before the call returns).
+  void run(Device device, void* stream) {
+    const Buffer whole = pack_.allocate(device, stream);
     std::vector<uint8_t> host(size_t(whole.bytes()), 0);
     for (const auto& [offset, values] : pieces_)
       if (!values->empty()) std::memcpy(host.data() + offset, values->data(), values->size() * sizeof(int32_t));
-    copy(TensorView::contiguous(host.data(), DType::u8, {int64_t(host.size())}), whole.view());
+    copy(TensorView::contiguous(host.data(), DType::u8, {int64_t(host.size())}), whole.view(), stream);
     pieces_.clear();
   }
 
@@ -170,14 +172,14 @@ InferencePlan finish(const Topology& topo, InferencePhase phase, const StepReque
   tables.add(&plan.positions, positions, {plan.total_q});
   tables.add(&plan.query_request, request, {plan.total_q});
   tables.add(&plan.slot_mapping, slots, {plan.total_q});
-  tables.run(dev);
+  tables.run(dev, options.stream);
   if (phase == InferencePhase::decode) {
     plan.partial_out = Buffer(dev, DType::f32, {num_kv_splits, plan.total_q, topo.num_q_heads, kHeadDim});
     plan.partial_lse = Buffer(dev, DType::f32, {num_kv_splits, plan.total_q, topo.num_q_heads});
     if (dev.is_cuda() && num_kv_splits > 1) {  // the last split CTA of a tile merges (paged_decode_wgmma.cu)
       const int64_t rows = detail::decode_tile_rows(q_len_per_req);
       const int64_t n = (plan.total_q + rows - 1) / rows * topo.num_kv_heads;
-      plan.split_arrivals = device_copy(dev, std::vector<int32_t>(size_t(n), 0), {n});
+      plan.split_arrivals = device_copy(dev, std::vector<int32_t>(size_t(n), 0), {n}, options.stream);
     }
   }
   if (!dev.is_cuda()) {
@@ -192,7 +194,11 @@ InferencePlan finish(const Topology& topo, InferencePhase phase, const StepReque
     const int64_t rows = std::clamp<int64_t>(budget / per_row, 16, std::max<int64_t>(plan.total_q, 16));
     plan.scratch_f32 = Buffer(dev, DType::f32, {rows, per_row});
     if (phase == InferencePhase::prefill)
-      plan.backend = detail::cuda_only("paged prefill plan", [&] { return cuda::prepare_paged_prefill(plan, s.cu_q, s.seq_lens); });
+      plan.backend = detail::cuda_only("paged prefill plan", [&] {
+        return cuda::prepare_paged_prefill(plan, s.cu_q, s.seq_lens, options.stream);
+      });
+    plan.uploaded = detail::cuda_only("inference plan", [&] { return cuda::record_event(dev.index, options.stream); });
+    plan.upload_stream = options.stream;
   }
   return plan;
 }
@@ -315,6 +321,10 @@ void update_decode_plan(InferencePlan& plan, const DecodeMetadata& meta, const R
   upload(rows.positions, plan.positions);
   upload(rows.slots, plan.slot_mapping);
   plan.max_physical_page = rows.max_physical_page;
+  if (plan.device.is_cuda()) {  // runs on other streams wait for these copies
+    plan.uploaded = detail::cuda_only("update_decode_plan", [&] { return cuda::record_event(plan.device.index, opt.stream); });
+    plan.upload_stream = opt.stream;
+  }
 }
 
 std::vector<int32_t> document_positions(const PackedLayout& layout) {

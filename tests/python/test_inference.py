@@ -39,6 +39,10 @@ def test_decode_plan_and_norm_rope():
                            topology=msa.Topology(num_q_heads=16, num_kv_heads=1, num_index_heads=1))
     assert plan.total_q == 4
     assert plan.arrays()["positions"].tolist()[:2] == [128, 129]
+    # The plan's stream (CUDA: where its uploads are queued) is an integer cudaStream_t.
+    assert inf.plan_decode([130], np.array([[0, 1]], np.int32), stream=0).total_q == 1
+    with pytest.raises(msa.InvalidArgumentError, match="stream must be an integer"):
+        inf.plan_paged_prefill([0, 2], [130], np.array([[0, 1]], np.int32), stream="fast")
     x = msa.bf16.from_float(np.ones((3, 1, 128)))
     y = inf.rms_norm_rope(x, np.zeros(128, np.float32), np.zeros(3, np.int32))
     np.testing.assert_allclose(msa.bf16.to_float(y), 1.0, rtol=1e-2)

@@ -509,6 +509,7 @@ int rows_instance(int rows) { return rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ?
 
 void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, const RunOptions& opt) {
   DeviceGuard guard(p.q.device.index);
+  wait_event(plan.uploaded, plan.upload_stream, opt.stream);  // the plan's tables
   if (plan.phase == InferencePhase::prefill) return paged_prefill_attention(plan, p, opt);
   const cudaStream_t stream = as_stream(opt);
   const int64_t T = plan.total_q;

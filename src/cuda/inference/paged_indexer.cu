@@ -21,6 +21,7 @@
 #include <climits>
 #include <cstddef>
 
+#include "backend.h"
 #include "core/check.h"
 #include "cuda/device.cuh"
 #include "cuda/inference/quant.cuh"
@@ -799,6 +800,7 @@ void launch_scores_for(bool q_fp8, bool k_fp8, const ScoreArgs& a, int64_t tiles
 
 void paged_indexer(const InferencePlan& plan, const PagedIndexerParams& p, const RunOptions& opt) {
   DeviceGuard guard(p.index_q.device.index);
+  wait_event(plan.uploaded, plan.upload_stream, opt.stream);  // the plan's tables
   const cudaStream_t stream = as_stream(opt);
   const int64_t T = plan.total_q;
   if (T == 0) return;

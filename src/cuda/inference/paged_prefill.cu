@@ -49,7 +49,7 @@ KvSourceKind source_kind(KvFormat f) {
 }  // namespace
 
 std::shared_ptr<void> prepare_paged_prefill(const InferencePlan& plan, const std::vector<int32_t>& cu_seqlens_q,
-                                            const std::vector<int32_t>& seq_lens) {
+                                            const std::vector<int32_t>& seq_lens, void* stream) {
   DeviceGuard guard(plan.device.index);
   const Topology& topo = plan.topo;
   std::vector<int32_t> cu_k(seq_lens.size() + 1, 0);
@@ -66,12 +66,11 @@ std::shared_ptr<void> prepare_paged_prefill(const InferencePlan& plan, const std
   const int Hkv = topo.num_kv_heads;
   const int64_t total_q = plan.total_q, rows = e->layout.total_rows(kPageSize);
   check_schedule_size(Hkv, total_q, rows, "paged prefill (CUDA)");
-  e->plan = detail::allocate_plan(topo, total_q, rows, kQueriesPerItem, plan.device, nullptr, false);
-  upload_layout(topo, e->layout, e->plan, e->state, false, nullptr);
+  e->plan = detail::allocate_plan(topo, total_q, rows, kQueriesPerItem, plan.device, stream, false);
+  upload_layout(topo, e->layout, e->plan, e->state, false, static_cast<cudaStream_t>(stream));
   e->partials = forward_workspace_layout(total_q, Hkv);
-  e->scratch = Buffer(plan.device, DType::u8, {e->partials.total});
-  // Runs may use any stream (also non-blocking ones): the tables must be complete before.
-  MSA_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+  e->scratch = Buffer(plan.device, DType::u8, {e->partials.total}, stream);
+  // No host wait: runs on other streams wait for the plan's event (InferencePlan::uploaded).
   return e;
 }
 
