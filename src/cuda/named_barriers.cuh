@@ -25,6 +25,11 @@ enum class DecodeBarrier : int {
 };
 
 // prefill_scores_kernel (inference/paged_indexer.cu): four consumer warpgroups and a producer warp.
+enum class SelectBarrier : int {
+  kWarpgroup0 = 1,  // consumer warpgroup 0 (128 threads): its query rows have landed
+                    // (warpgroup wg uses kWarpgroup0 + wg)
+};
+
 enum class PrefillIndexerBarrier : int {
   kWarpgroup0 = 1,  // consumer warpgroup 0 (128 threads): around the rewrite of its Q rows
                     // (warpgroup wg uses kWarpgroup0 + wg, ids 1..4)

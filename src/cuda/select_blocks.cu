@@ -3,9 +3,13 @@
 // [T, blocks] score buffer exists.
 //
 // A CTA owns a tile of 128 (query, head) vectors: 128 / Hi consecutive queries of one
-// document x Hi index heads; warp w holds 16 consecutive queries of head w % Hi as the rows
-// of its m16 MMA tiles. Key blocks stream through two shared-memory stages (cp.async). In
-// every quad of lanes, lane 0 owns the list of row g and lane 1 the list of row g + 8.
+// document x Hi index heads; consumer warp w holds 16 consecutive queries of head w % Hi as
+// the rows of its m16 MMA tiles (its warpgroup's 64 rows are one wgmma). One thread of a
+// producer warpgroup brings the document's key blocks by TMA into a ring of kStages stages;
+// each consumer warpgroup multiplies a block as soon as it has landed and its warps hand the
+// stage back through an `empty` mbarrier once S is in registers: no CTA-wide barrier in the
+// block loop, so one warpgroup's list updates overlap the other's products and the loads run
+// ahead. In every quad of lanes, lane 0 owns the list of row g and lane 1 the list of row g + 8.
 //
 // Selection (as the CPU backend): with nvis <= 16 visible blocks all of them ascending;
 // else the init blocks ascending, the best slots = 16 - init - local blocks of the rest by
@@ -19,6 +23,8 @@
 #include "msa/constants.h"
 #include "cuda/common.cuh"
 #include "cuda/device.cuh"
+#include "cuda/named_barriers.cuh"
+#include "cuda/tensor_map.h"
 #include "cuda/wgmma.cuh"
 
 namespace msa::cuda {
@@ -30,11 +36,30 @@ constexpr int kTopk = model::kTopk;
 constexpr int kTileVectors = 128;  // (query, index head) vectors of a CTA: two m64 warpgroup tiles
 constexpr int kWarpRows = 16;      // rows of a warp's m16 MMA tiles (consecutive queries of one head)
 constexpr int kNFrags = kBlock / 8;  // n8 accumulator fragments across a key block
-constexpr int kWarps = 8;
-constexpr int kThreads = kWarps * 32;
+constexpr int kWarps = 8;                    // consumer warps (two warpgroups)
+constexpr int kThreads = (kWarps + 4) * 32;  // and a producer warpgroup (one thread issues)
+// setmaxnreg: the producers give their registers to the consumers (the launch's share,
+// 65536 / 384 in steps of 8, is the CTA's pool; the consumers need more than it).
+constexpr int kProducerRegs = 24;
+constexpr int kConsumerRegs = 240;
+static_assert(kProducerRegs * 128 + kConsumerRegs * 32 * kWarps <= 65536 / kThreads / 8 * 8 * kThreads);
+constexpr int kStages = 5;                   // key blocks in flight
 constexpr int kTileBytes = kBlock * kDim * 2;  // a bf16 key tile; the query tile is the same size
 static_assert(kTileVectors == kBlock && kWarps * kWarpRows == kTileVectors, "128 x 128 tiles, 16 rows a warp");
-constexpr int kSmemBytes = 3 * kTileBytes + 1024;  // two key stages, the query tile, alignment slack
+
+// Shared memory: the key ring and the query tile (swizzled, device.cuh's tile layout);
+//   full[s]   the TMA bytes of stage s have landed (1 arrival + bytes)
+//   empty[s]  every consumer warp is done with stage s (kWarps arrivals)
+struct alignas(1024) KeyTile {
+  unsigned char bytes[kTileBytes];
+};
+struct IndexerStorage {
+  KeyTile keys[kStages];
+  KeyTile query;
+  uint64_t full[kStages];
+  uint64_t empty[kStages];
+};
+constexpr int kSmemBytes = storage_smem_bytes<IndexerStorage>();
 constexpr int kMaxDocs = 320;  // documents per launch (kernel parameter space)
 constexpr int kList = kTopk - 1;  // ranked history slots at most (local >= 1)
 
@@ -57,7 +82,8 @@ struct IndexerArgs {
   float lse_scale_log2;  // scale / temperature * log2(e)
 };
 
-__global__ void __launch_bounds__(kThreads, 1) select_blocks_kernel(const IndexerArgs a, const IndexerDocs docs) {
+__global__ void __launch_bounds__(kThreads, 1)
+    select_blocks_kernel(const IndexerArgs a, const IndexerDocs docs, const __grid_constant__ CUtensorMap k_map) {
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, t = lane & 3;
   // Tile -> document (binary search over the launch's prefix), longest tiles of a document first.
@@ -84,17 +110,43 @@ __global__ void __launch_bounds__(kThreads, 1) select_blocks_kernel(const Indexe
   const int wg_last = min(nq, kWarpRows * ((warp | 3) / a.Hi) + kWarpRows) - 1;
   const int wg_nblk = wg_first < nq ? (pos0 + wg_last) / kBlock + 1 : 0;
 
-  const uint32_t kst = align1024(smem_addr(smem));
-  const uint32_t qs = kst + 2 * kTileBytes;
-  auto load_keys = [&](int j, int stage) {
-    load_tile_async(kst + stage * kTileBytes, kBlock, 0, a.ik + int64_t(k_start + j * kBlock) * kDim, kDim, kBlock,
-                    min(kBlock, k_len - j * kBlock), tid, kThreads);
-  };
+  IndexerStorage& sm = shared_storage<IndexerStorage>(smem);
+  const uint32_t keys = smem_addr(&sm.keys[0]), qs = smem_addr(&sm.query);
+  auto full = [&](int s) { return smem_addr(&sm.full[s]); };
+  auto empty = [&](int s) { return smem_addr(&sm.empty[s]); };
+  if (tid < kStages) {
+    mbar_init(full(tid), 1);
+    mbar_init(empty(tid), kWarps);
+  }
+  __syncthreads();
+
+  if (warp >= kWarps) {  // the producer: block j into stage j % kStages once its last use is over
+    setmaxnreg_dec<kProducerRegs>();
+    if (warp == kWarps && lane == 0) {
+      // Keys past the document's end (the next document's, or zeros past the tensor's) are
+      // past every row's causal limit: masked below like the future keys of a block.
+      const uint64_t keep = l2_evict_last();  // the document's other tiles read the blocks again
+      for (int j = 0; j < nblocks; ++j) {
+        const int s = j % kStages;
+        if (j >= kStages) mbar_wait(empty(s), (j / kStages - 1) & 1);
+        mbar_arrive_expect_tx(full(s), kTileBytes);
+        const uint32_t dst = keys + uint32_t(s * kTileBytes);
+        tma_load_2d(dst, &k_map, 0, k_start + j * kBlock, full(s), keep);
+        tma_load_2d(dst + kTileBytes / 2, &k_map, kDim / 2, k_start + j * kBlock, full(s), keep);
+      }
+    }
+    return;
+  }
+
+  setmaxnreg_inc<kConsumerRegs>();
+  // The warp's 16 query rows; its warpgroup's wgmma reads all 64 of the warpgroup's.
   load_tile_async(qs, kTileVectors, kWarpRows * warp,
                   a.iq + (int64_t(q_start + q0 + min(wq0, nq - 1)) * a.Hi + g) * kDim, int64_t(a.Hi) * kDim,
                   kWarpRows, wrows, lane, 32);
-  load_keys(0, 0);
   cp_async_commit();
+  cp_async_wait<0>();
+  fence_proxy_async();
+  sync_barrier(SelectBarrier(int(SelectBarrier::kWarpgroup0) + (warp >> 2)), 128);
 
   // The row this lane owns (lanes 2, 3 of a quad shadow lanes 0, 1).
   const int own_r = wq0 + (lane >> 2) + ((t & 1) << 3);
@@ -117,15 +169,18 @@ __global__ void __launch_bounds__(kThreads, 1) select_blocks_kernel(const Indexe
 
   const int pa = pos0 + wq0 + (lane >> 2), pb = pa + 8;
   for (int j = 0; j < nblocks; ++j) {
-    if (j + 1 < nblocks) load_keys(j + 1, (j + 1) & 1);
-    cp_async_commit();
-    cp_async_wait<1>();
-    fence_proxy_async();
-    __syncthreads();
-    if (j < wg_nblk) {
-      const uint32_t ks = kst + (j & 1) * kTileBytes;
+    // Every warp waits for every block (also one its warpgroup skips) before it hands the stage
+    // back, so that its arrival counts in the stage's current use.
+    const int stage = j % kStages;
+    mbar_wait(full(stage), (j / kStages) & 1);
+    if (j >= wg_nblk) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty(stage));
+    } else {
       float s[kNFrags][4];
-      wgmma_rows_x128(s, qs, kTileVectors, 64 * (warp >> 2), ks, kBlock, 0);
+      wgmma_rows_x128(s, qs, kTileVectors, 64 * (warp >> 2), keys + uint32_t(stage * kTileBytes), kBlock, 0);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty(stage));  // S is in registers
       const int la = pa - j * kBlock, lb = pb - j * kBlock;  // last visible key of rows a, b
       float ma = -INFINITY, mb = -INFINITY;
 #pragma unroll
@@ -193,7 +248,6 @@ __global__ void __launch_bounds__(kThreads, 1) select_blocks_kernel(const Indexe
         }
       }
     }
-    __syncthreads();
   }
 
   if (t < 2 && own_valid) {
@@ -255,12 +309,16 @@ void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBloc
   std::stable_sort(order.begin(), order.end(),
                    [&](int x, int y) { return L.document(x).k_len > L.document(y).k_len; });
   MSA_CUDA_CHECK(cudaFuncSetAttribute(select_blocks_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  CUtensorMap k_map{};  // made for the first launch (a step with queries has keys)
+  bool have_map = false;
   IndexerDocs docs{};
   auto flush = [&] {
     if (docs.count == 0) return;
     const int tiles = docs.tile_begin[docs.count];
     if (tiles > 0) {
-      select_blocks_kernel<<<tiles, kThreads, kSmemBytes, s>>>(a, docs);
+      if (!have_map) k_map = bf16_row_tile_map(a.ik, p.index_k.shape[0], kBlock, "index_k");
+      have_map = true;
+      select_blocks_kernel<<<tiles, kThreads, kSmemBytes, s>>>(a, docs, k_map);
       MSA_CUDA_CHECK_LAUNCH("select_blocks_kernel");
     }
     docs = IndexerDocs{};
