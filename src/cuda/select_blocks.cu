@@ -168,108 +168,88 @@ __global__ void __launch_bounds__(kThreads, 1)
   LogSumExp lse_acc;  // of the selected blocks' LSEs (the IEEE rules of src/attention_state.h)
 
   const int pa = pos0 + wq0 + (lane >> 2), pb = pa + 8;
-  // Block j's max-pooled scores into this lane's list (S of the warpgroup's rows in `s`).
-  auto update_lists = [&](const float (&s)[kNFrags][4], int j) {
-    const int la = pa - j * kBlock, lb = pb - j * kBlock;  // last visible key of rows a, b
-    float ma = -INFINITY, mb = -INFINITY;
-#pragma unroll
-    for (int nt = 0; nt < kNFrags; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int c = nt * 8 + 2 * t + e;
-        if (c <= la) ma = max_nan(ma, s[nt][e]);
-        if (c <= lb) mb = max_nan(mb, s[nt][2 + e]);
-      }
-    }
-    ma = max_nan(ma, __shfl_xor_sync(0xffffffffu, ma, 1));
-    ma = max_nan(ma, __shfl_xor_sync(0xffffffffu, ma, 2));
-    mb = max_nan(mb, __shfl_xor_sync(0xffffffffu, mb, 1));
-    mb = max_nan(mb, __shfl_xor_sync(0xffffffffu, mb, 2));
-
-    const float own_m = (t & 1) ? mb : ma;
-    const bool visible = own_valid && own_pos >= j * kBlock;
-    const float score = a.scale * own_m;
-    const bool forced = all_visible || j < init_end || j >= local_begin;
-    const bool candidate = visible && !forced && slots > 0 && score == score && (count < slots || score > threshold);
-    const bool need = want_lse && visible && (forced || candidate);
-    const int quad = lane & ~3;
-    const bool need_a = __shfl_sync(0xffffffffu, need, quad);
-    const bool need_b = __shfl_sync(0xffffffffu, need, quad + 1);
-    float block_lse = 0.f;
-    if (__any_sync(0xffffffffu, need_a || need_b)) {
-      const float ta = ma * a.lse_scale_log2, tb = mb * a.lse_scale_log2;
-      float sa = 0.f, sb = 0.f;
-      const bool fa = need_a && isfinite(ta), fb = need_b && isfinite(tb);
+  for (int j = 0; j < nblocks; ++j) {
+    // Every warp waits for every block (also one its warpgroup skips) before it hands the stage
+    // back, so that its arrival counts in the stage's current use.
+    const int stage = j % kStages;
+    mbar_wait(full(stage), (j / kStages) & 1);
+    if (j >= wg_nblk) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty(stage));
+    } else {
+      float s[kNFrags][4];
+      wgmma_rows_x128(s, qs, kTileVectors, 64 * (warp >> 2), keys + uint32_t(stage * kTileBytes), kBlock, 0);
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty(stage));  // S is in registers
+      const int la = pa - j * kBlock, lb = pb - j * kBlock;  // last visible key of rows a, b
+      float ma = -INFINITY, mb = -INFINITY;
 #pragma unroll
       for (int nt = 0; nt < kNFrags; ++nt) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const int c = nt * 8 + 2 * t + e;
-          if (fa && c <= la) sa += exp2f(s[nt][e] * a.lse_scale_log2 - ta);
-          if (fb && c <= lb) sb += exp2f(s[nt][2 + e] * a.lse_scale_log2 - tb);
+          if (c <= la) ma = max_nan(ma, s[nt][e]);
+          if (c <= lb) mb = max_nan(mb, s[nt][2 + e]);
         }
       }
-      sa = warp_sum4(sa);
-      sb = warp_sum4(sb);
-      const float top = (t & 1) ? tb : ta, sum = (t & 1) ? sb : sa;
-      block_lse = isfinite(top) ? (top + __log2f(sum)) * math::kLn2 : top * math::kLn2;
-    }
-    if (visible && forced && want_lse) lse_acc.add(block_lse);
-    if (candidate) {
-      // Insert behind every entry with a score >= this one (ids arrive ascending).
-      int pos = 0;
+      ma = max_nan(ma, __shfl_xor_sync(0xffffffffu, ma, 1));
+      ma = max_nan(ma, __shfl_xor_sync(0xffffffffu, ma, 2));
+      mb = max_nan(mb, __shfl_xor_sync(0xffffffffu, mb, 1));
+      mb = max_nan(mb, __shfl_xor_sync(0xffffffffu, mb, 2));
+
+      const float own_m = (t & 1) ? mb : ma;
+      const bool visible = own_valid && own_pos >= j * kBlock;
+      const float score = a.scale * own_m;
+      const bool forced = all_visible || j < init_end || j >= local_begin;
+      const bool candidate = visible && !forced && slots > 0 && score == score && (count < slots || score > threshold);
+      const bool need = want_lse && visible && (forced || candidate);
+      const int quad = lane & ~3;
+      const bool need_a = __shfl_sync(0xffffffffu, need, quad);
+      const bool need_b = __shfl_sync(0xffffffffu, need, quad + 1);
+      float block_lse = 0.f;
+      if (__any_sync(0xffffffffu, need_a || need_b)) {
+        const float ta = ma * a.lse_scale_log2, tb = mb * a.lse_scale_log2;
+        float sa = 0.f, sb = 0.f;
+        const bool fa = need_a && isfinite(ta), fb = need_b && isfinite(tb);
 #pragma unroll
-      for (int i = 0; i < kList; ++i) pos += (i < count && sc[i] >= score) ? 1 : 0;
-      const int limit = min(count + 1, slots);
+        for (int nt = 0; nt < kNFrags; ++nt) {
 #pragma unroll
-      for (int i = kList - 1; i > 0; --i) {
-        if (i > pos && i < limit) { sc[i] = sc[i - 1]; id[i] = id[i - 1]; bl[i] = bl[i - 1]; }
+          for (int e = 0; e < 2; ++e) {
+            const int c = nt * 8 + 2 * t + e;
+            if (fa && c <= la) sa += exp2f(s[nt][e] * a.lse_scale_log2 - ta);
+            if (fb && c <= lb) sb += exp2f(s[nt][2 + e] * a.lse_scale_log2 - tb);
+          }
+        }
+        sa = warp_sum4(sa);
+        sb = warp_sum4(sb);
+        const float top = (t & 1) ? tb : ta, sum = (t & 1) ? sb : sa;
+        block_lse = isfinite(top) ? (top + __log2f(sum)) * math::kLn2 : top * math::kLn2;
       }
+      if (visible && forced && want_lse) lse_acc.add(block_lse);
+      if (candidate) {
+        // Insert behind every entry with a score >= this one (ids arrive ascending).
+        int pos = 0;
 #pragma unroll
-      for (int i = 0; i < kList; ++i) {
-        if (i == pos) { sc[i] = score; id[i] = j; bl[i] = block_lse; }
-      }
-      count = limit;
-      if (count == slots) {
+        for (int i = 0; i < kList; ++i) pos += (i < count && sc[i] >= score) ? 1 : 0;
+        const int limit = min(count + 1, slots);
 #pragma unroll
-        for (int i = 0; i < kList; ++i)
-          if (i == slots - 1) threshold = sc[i];
+        for (int i = kList - 1; i > 0; --i) {
+          if (i > pos && i < limit) { sc[i] = sc[i - 1]; id[i] = id[i - 1]; bl[i] = bl[i - 1]; }
+        }
+#pragma unroll
+        for (int i = 0; i < kList; ++i) {
+          if (i == pos) { sc[i] = score; id[i] = j; bl[i] = block_lse; }
+        }
+        count = limit;
+        if (count == slots) {
+#pragma unroll
+          for (int i = 0; i < kList; ++i)
+            if (i == slots - 1) threshold = sc[i];
+        }
       }
     }
-  };
-  // S of block j into `acc`, issued (not waited for) by the warpgroup.
-  auto issue_block = [&](float (&acc)[kNFrags][4], int j) {
-    const uint32_t ks = keys + uint32_t((j % kStages) * kTileBytes);
-    wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kDim / 16; ++kk)
-      wgmma_m64n128k16(acc, tile_desc(qs, kTileVectors, 64 * (warp >> 2), kk), tile_desc(ks, kBlock, 0, kk), kk > 0);
-  };
-  // One block of the software pipeline: S(j + 1) goes to the tensor cores before the lists
-  // take block j, so the products of one block overlap the list updates of the one before.
-  // Every warp waits for every block (also one its warpgroup skips) before it hands the stage
-  // back, so that its arrival counts in the stage's current use.
-  auto step = [&](const float (&cur)[kNFrags][4], float (&next)[kNFrags][4], int j) {
-    if (j + 1 < nblocks) {
-      mbar_wait(full((j + 1) % kStages), ((j + 1) / kStages) & 1);
-      // (A warp vote: the compiler must see the wgmma taken by whole warps, or it serializes them.)
-      if (__all_sync(0xffffffffu, j + 1 < wg_nblk)) issue_block(next, j + 1);
-    }
-    wgmma_commit();  // possibly empty: one group a block on every path
-    wgmma_wait<1>();  // S(j) is in `cur`
-    __syncwarp();
-    if (lane == 0) mbar_arrive(empty(j % kStages));
-    if (__all_sync(0xffffffffu, j < wg_nblk)) update_lists(cur, j);
-  };
-  float s0[kNFrags][4], s1[kNFrags][4];
-  mbar_wait(full(0), 0);
-  if (__all_sync(0xffffffffu, 0 < wg_nblk)) issue_block(s0, 0);
-  wgmma_commit();
-  for (int j = 0; j < nblocks; j += 2) {
-    step(s0, s1, j);
-    if (j + 1 < nblocks) step(s1, s0, j + 1);
   }
-  wgmma_wait<0>();
+
   if (t < 2 && own_valid) {
     const int64_t row = q_start + q0 + own_r;
     int out[kTopk];
