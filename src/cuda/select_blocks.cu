@@ -2,13 +2,14 @@
 // top list per (query, index head) kept in registers while the key blocks stream past; no
 // [T, blocks] score buffer exists.
 //
-// A CTA owns a tile of 128 (query, head) vectors: 128 / Hi consecutive queries of one
-// document x Hi index heads; consumer warp w holds 16 consecutive queries of head w % Hi as
-// the rows of its m16 MMA tiles (its warpgroup's 64 rows are one wgmma). One thread of a
+// A CTA owns a tile of 256 (query, head) vectors: 256 / Hi consecutive queries of one
+// document x Hi index heads (a key block crosses from L2 once per tile); consumer warp w
+// holds 16 consecutive queries of head w % Hi as the rows of its m16 MMA tiles (its
+// warpgroup's 64 rows are one wgmma; four consumer warpgroups). One thread of a
 // producer warpgroup brings the document's key blocks by TMA into a ring of kStages stages;
 // each consumer warpgroup multiplies a block as soon as it has landed and its warps hand the
 // stage back through an `empty` mbarrier once S is in registers: no CTA-wide barrier in the
-// block loop, so one warpgroup's list updates overlap the other's products and the loads run
+// block loop, so one warpgroup's list updates overlap the others' products and the loads run
 // ahead. In every quad of lanes, lane 0 owns the list of row g and lane 1 the list of row g + 8.
 //
 // Selection (as the CPU backend): with nvis <= 16 visible blocks all of them ascending;
@@ -33,19 +34,20 @@ namespace {
 constexpr int kBlock = model::kBlockSize;  // keys of a block: rows of a key tile
 constexpr int kDim = model::kHeadDim;      // index head dim: columns of the query and key tiles
 constexpr int kTopk = model::kTopk;
-constexpr int kTileVectors = 128;  // (query, index head) vectors of a CTA: two m64 warpgroup tiles
+constexpr int kTileVectors = 256;  // (query, index head) vectors of a CTA: four m64 warpgroup tiles
 constexpr int kWarpRows = 16;      // rows of a warp's m16 MMA tiles (consecutive queries of one head)
 constexpr int kNFrags = kBlock / 8;  // n8 accumulator fragments across a key block
-constexpr int kWarps = 8;                    // consumer warps (two warpgroups)
+constexpr int kWarps = kTileVectors / 16;   // consumer warps (16 vectors each)
 constexpr int kThreads = (kWarps + 4) * 32;  // and a producer warpgroup (one thread issues)
 // setmaxnreg: the producers give their registers to the consumers (the launch's share,
-// 65536 / 384 in steps of 8, is the CTA's pool; the consumers need more than it).
+// 65536 / 640 in steps of 8, is the CTA's pool; the consumers need more than it). With the
+// selected-LSE lists (kLse) the consumers spill ~340 bytes at this size; without, ~30.
 constexpr int kProducerRegs = 24;
-constexpr int kConsumerRegs = 240;
+constexpr int kConsumerRegs = 112;
 static_assert(kProducerRegs * 128 + kConsumerRegs * 32 * kWarps <= 65536 / kThreads / 8 * 8 * kThreads);
-constexpr int kStages = 5;                   // key blocks in flight
-constexpr int kTileBytes = kBlock * kDim * 2;  // a bf16 key tile; the query tile is the same size
-static_assert(kTileVectors == kBlock && kWarps * kWarpRows == kTileVectors, "128 x 128 tiles, 16 rows a warp");
+constexpr int kStages = 4;                   // key blocks in flight
+constexpr int kTileBytes = kBlock * kDim * 2;  // a bf16 key tile
+static_assert(kWarps * kWarpRows == kTileVectors, "16 rows a warp");
 
 // Shared memory: the key ring and the query tile (swizzled, device.cuh's tile layout);
 //   full[s]   the TMA bytes of stage s have landed (1 arrival + bytes)
@@ -55,7 +57,9 @@ struct alignas(1024) KeyTile {
 };
 struct IndexerStorage {
   KeyTile keys[kStages];
-  KeyTile query;
+  struct alignas(1024) {
+    unsigned char bytes[kTileVectors * kDim * 2];
+  } query;
   uint64_t full[kStages];
   uint64_t empty[kStages];
 };
@@ -82,6 +86,8 @@ struct IndexerArgs {
   float lse_scale_log2;  // scale / temperature * log2(e)
 };
 
+// kLse: also the selected blocks' LSE (a.sel_lse); without it the lists hold no per-block LSE.
+template <bool kLse>
 __global__ void __launch_bounds__(kThreads, 1)
     select_blocks_kernel(const IndexerArgs a, const IndexerDocs docs, const __grid_constant__ CUtensorMap k_map) {
   extern __shared__ __align__(128) unsigned char smem[];
@@ -157,7 +163,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int local_begin = nvis - a.local_blocks;
   const int init_end = min(a.init_blocks, local_begin);
   const int slots = kTopk - init_end - a.local_blocks;
-  const bool want_lse = a.sel_lse != nullptr;
+  constexpr bool want_lse = kLse;
 
   float sc[kList], bl[kList];
   int id[kList];
@@ -308,7 +314,9 @@ void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBloc
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
                    [&](int x, int y) { return L.document(x).k_len > L.document(y).k_len; });
-  MSA_CUDA_CHECK(cudaFuncSetAttribute(select_blocks_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  const bool lse = a.sel_lse != nullptr;
+  const auto kernel = lse ? select_blocks_kernel<true> : select_blocks_kernel<false>;
+  MSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   CUtensorMap k_map{};  // made for the first launch (a step with queries has keys)
   bool have_map = false;
   IndexerDocs docs{};
@@ -318,7 +326,7 @@ void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBloc
     if (tiles > 0) {
       if (!have_map) k_map = bf16_row_tile_map(a.ik, p.index_k.shape[0], kBlock, "index_k");
       have_map = true;
-      select_blocks_kernel<<<tiles, kThreads, kSmemBytes, s>>>(a, docs, k_map);
+      kernel<<<tiles, kThreads, kSmemBytes, s>>>(a, docs, k_map);
       MSA_CUDA_CHECK_LAUNCH("select_blocks_kernel");
     }
     docs = IndexerDocs{};
