@@ -347,22 +347,24 @@ def plan_stream(device, stream):
     return torch.cuda.current_stream(torch.device(device)).cuda_stream if torch and device.startswith("cuda") else 0
 
 
+def plan_options(device, num_kv_splits, num_threads, stream):
+    """The checked trailing arguments of the native planners: device, splits, threads, stream."""
+    device = device_name(device)
+    return (device, integer(num_kv_splits, "num_kv_splits"), num_threads_arg(num_threads), plan_stream(device, stream))
+
+
 def plan_paged_prefill(topo, cu_seqlens_q, seq_lens, page_table, *, device="cpu", num_kv_splits=0, num_threads=0,
                        stream=None):
-    device = device_name(device)
     return _native.plan_paged_prefill(topo, host_int32(cu_seqlens_q, "cu_seqlens_q"), host_int32(seq_lens, "seq_lens"),
-                                      host_int32(page_table, "page_table"), device,
-                                      integer(num_kv_splits, "num_kv_splits"), num_threads_arg(num_threads),
-                                      plan_stream(device, stream))
+                                      host_int32(page_table, "page_table"),
+                                      *plan_options(device, num_kv_splits, num_threads, stream))
 
 
 def plan_decode(topo, seq_lens, page_table, q_len_per_req, *, device="cpu", num_kv_splits=0, num_threads=0,
                 stream=None):
-    device = device_name(device)
     return _native.plan_decode(topo, host_int32(seq_lens, "seq_lens"), host_int32(page_table, "page_table"),
-                               integer(q_len_per_req, "q_len_per_req"), device,
-                               integer(num_kv_splits, "num_kv_splits"), num_threads_arg(num_threads),
-                               plan_stream(device, stream))
+                               integer(q_len_per_req, "q_len_per_req"),
+                               *plan_options(device, num_kv_splits, num_threads, stream))
 
 
 def update_decode_plan(plan, seq_lens, page_table, q_len_per_req, *, stream=None):
