@@ -24,12 +24,13 @@ enum class DecodeBarrier : int {
   kConsumers = 3,   // every consumer thread, around the split CTAs' arrival count
 };
 
-// prefill_scores_kernel (inference/paged_indexer.cu): four consumer warpgroups and a producer warp.
+// select_blocks_kernel (select_blocks.cu): four consumer warpgroups and a producer warpgroup.
 enum class SelectBarrier : int {
   kWarpgroup0 = 1,  // consumer warpgroup 0 (128 threads): its query rows have landed
                     // (warpgroup wg uses kWarpgroup0 + wg)
 };
 
+// prefill_scores_kernel (inference/paged_indexer.cu): four consumer warpgroups and a producer warp.
 enum class PrefillIndexerBarrier : int {
   kWarpgroup0 = 1,  // consumer warpgroup 0 (128 threads): around the rewrite of its Q rows
                     // (warpgroup wg uses kWarpgroup0 + wg, ids 1..4)

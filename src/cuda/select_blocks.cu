@@ -317,15 +317,14 @@ void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBloc
   const bool lse = a.sel_lse != nullptr;
   const auto kernel = lse ? select_blocks_kernel<true> : select_blocks_kernel<false>;
   MSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  CUtensorMap k_map{};  // made for the first launch (a step with queries has keys)
-  bool have_map = false;
+  // A launch has queries, hence keys: the map is needed (and valid) only when index_k has rows.
+  const CUtensorMap k_map =
+      p.index_k.shape[0] > 0 ? bf16_row_tile_map(a.ik, p.index_k.shape[0], kBlock, "index_k") : CUtensorMap{};
   IndexerDocs docs{};
   auto flush = [&] {
     if (docs.count == 0) return;
     const int tiles = docs.tile_begin[docs.count];
     if (tiles > 0) {
-      if (!have_map) k_map = bf16_row_tile_map(a.ik, p.index_k.shape[0], kBlock, "index_k");
-      have_map = true;
       kernel<<<tiles, kThreads, kSmemBytes, s>>>(a, docs, k_map);
       MSA_CUDA_CHECK_LAUNCH("select_blocks_kernel");
     }

@@ -12,12 +12,13 @@
 // scale multiply the logits, per-token K scales each logit column, per-token V scales the
 // probabilities fed to P V (not the sums), the per-tensor V scale the output.
 //
-// Producer warps feed a ring of bf16 sides (one side, K or V, of a page: 32 KB):
+// Producer warps feed a ring of 16-bit sides (one side, K or V, of a page: 32 KB):
 //   issuer (one thread)     TMA of a side into a free slot: bf16 sides straight into the ring
 //                           (two column-half boxes), FP8 codes into a staging ring of raw sides;
-//   scanners (3 warps, 7    per side: FP8 codes widened into the ring (exact: E4M3 values are
-//    for FP8 caches)        bf16 values) with the side's per-token scales; rows past the most
-//                           tokens any row reads zeroed (cache slots not written yet: garbage);
+//   scanners (3 warps, 7    per side: FP8 codes widened into the ring exactly (to bf16; V to
+//    for FP8 caches)        f16 without per-token scales) with the side's per-token scales;
+//                           rows past the most tokens any row reads zeroed (cache slots not
+//                           written yet: garbage);
 //                           V sides flagged when a row that some row reads holds inf / NaN.
 // A row that gets P = 0 on a key must not get 0 * inf = NaN from it (the NaN-isolation
 // contract), so a flagged V side is multiplied per row on mma.sync with the keys past each
@@ -156,8 +157,9 @@ __device__ __forceinline__ void issue_sides(DecodeStorage<Consumers, F>& sm, uin
   }
 }
 
-// The scanners (producer warps 1, 2, ..): each side ready for a product that every row of a warpgroup takes part
-// in (bf16: in place; FP8: widened from the staging ring), with its per-token scales.
+// The scanners (producer warps 1, 2, ..): each side ready for a product that every row of a
+// warpgroup takes part in (bf16: in place; FP8: widened from the staging ring), with its
+// per-token scales.
 template <int Consumers, KvFormat F, bool PerToken>
 __device__ __forceinline__ void scan_sides(const AttnArgs& a, DecodeStorage<Consumers, F>& sm, uint32_t base, int g,
                                            int items, int st) {
@@ -255,7 +257,7 @@ __device__ __forceinline__ void pv_masked(RowState& st, const uint32_t (&p)[8][4
 
 // The online-softmax step of this warp's row over a page: S (log2 units after the scales, keys
 // past `limit` at -inf) -> the rescaled state and P (times the per-token V scales) as bf16 A
-// fragments. `k_scale` / `v_scale`: the page's per-token scales, nullptr without.
+// fragments (f16 with kF16). `k_scale` / `v_scale`: the page's per-token scales, nullptr without.
 template <bool kF16>
 __device__ __forceinline__ void softmax_step(RowState& st, float (&s)[16][4], uint32_t (&p)[8][4], int limit,
                                              float qk_scale, const float* k_scale, const float* v_scale, int quad) {

@@ -555,7 +555,7 @@ __global__ void __launch_bounds__(kPrefillThreads, 1)
           tma_load_4d(dst + kPageSize * 128, &k_map, 64, 0, 0, phys, full, policy);
         }
       });
-    } else if (KFp8 && pw > 0) {  // wideners: raw page -> bf16 stage
+    } else if (KFp8 && pw > 0) {  // wideners: raw page -> 16-bit stage
       const int w = threadIdx.x - 32 * (kPrefillConsumerWarps + 1);
       for_each_page([&](int n, const int32_t*, int64_t) {
         const int r = n % kPrefillRawStages, s = n % kPrefillStages;
