@@ -10,10 +10,11 @@ namespace msa {
 
 namespace detail {
 // A plan's public buffers (include/msa/ops.h) sized for total_q queries and `rows` CSR rows,
-// allocated in one piece on `device` (CUDA: for work on `stream`); the selection copy only
-// with with_selection. The size fields are set; the contents are the backend's to fill.
+// allocated in one piece on `device` (CUDA: for work on `stream`, given back as `release`
+// says); the selection copy only with with_selection. The size fields are set; the contents
+// are the backend's to fill.
 SparsePlan allocate_plan(const Topology& topo, int64_t total_q, int64_t rows, int q_per_cta, Device device,
-                         void* stream, bool with_selection);
+                         void* stream, bool with_selection, Release release = Release::device_wait);
 }  // namespace detail
 
 namespace cpu {
@@ -38,11 +39,14 @@ void release(void* ptr, int device);
 void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, int64_t bytes, void* stream);
 void memset_zero(void* dst, int device, int64_t bytes, void* stream);
 void synchronize(int device);
-// An event recorded on `stream` now (no timing), destroyed with its last owner.
-std::shared_ptr<void> record_event(int device, void* stream);
-// Work queued on `stream` from now on waits for `event` (recorded on `event_stream`; nothing to
-// do when that is `stream`, or while `stream` is being captured into a graph).
-void wait_event(const std::shared_ptr<void>& event, void* event_stream, void* stream);
+// The streams of an inference plan made on `home` (InferencePlan::streams, plan_streams.cpp):
+// its uploads were just queued on `home`. When the last owner goes, `home` waits on the device
+// for the plan's runs on other streams, so buffers given back on `home` afterwards are not
+// reused before those runs end.
+std::shared_ptr<void> plan_streams(int device, void* home);
+// The plan's tables were just rewritten on `stream` (update_decode_plan): runs elsewhere wait
+// for these copies, and the plan's release waits for them. Runs: cuda/plan_streams.h.
+void plan_uploaded(const std::shared_ptr<void>& streams, void* stream);
 int device_count();
 void select_blocks(const Topology&, const PackedLayout&, const SelectBlocksParams&, const RunOptions&);
 // `workspace`: the caller's scratch (checked: large enough, aligned) or empty to allocate one.

@@ -8,9 +8,11 @@
 #include "test_gpu_support.h"
 
 #if MSA_WITH_CUDA
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <functional>
+#include <optional>
 #include <thread>
 #include <utility>
 #include <cuda_runtime.h>
@@ -712,13 +714,74 @@ TEST(GpuInference, PlanningDoesNotWaitAndRunsOnOtherStreamsWaitForThePlan) {
     CHECK_CUDA(cudaDeviceSynchronize());  // the case's copies and the outputs' poison are done
     CHECK_CUDA(cudaLaunchHostFunc(
         plan_stream, [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(500)); }, nullptr));
-    const InferencePlan plan = gpu_plan(c, splits, plan_stream);
+    std::optional<InferencePlan> plan(gpu_plan(c, splits, plan_stream));
     EXPECT_EQ(cudaStreamQuery(plan_stream), cudaErrorNotReady) << "planning waited for its stream";
     RunOptions opt;
     opt.stream = run_stream;
-    gpu_paged_forward(plan, d, o, opt);
+    gpu_paged_forward(*plan, d, o, opt);
+    plan.reset();  // a plan's stream outlives it (its memory goes back there)
     CHECK_CUDA(cudaStreamSynchronize(run_stream));
     CHECK_CUDA(cudaStreamSynchronize(plan_stream));
+    const PagedOutputs got = o.host();
+    expect_selection_matches_cpu(c, got.topk, cpu_indexer(c));
+    expect_attention_matches_cpu(got, cpu_attention(c, got.topk, splits == 0 ? 1 : splits, DType::bf16));
+    CHECK_CUDA(cudaStreamDestroy(plan_stream));
+    CHECK_CUDA(cudaStreamDestroy(run_stream));
+  }
+}
+
+// An engine makes and drops a plan every step. Dropping one must not wait for the device (the
+// run stream below is held by a host gate that opens only after the drop: a wait would stall
+// until the gate's timeout), and the memory it gives back must not be reused before its runs
+// on other streams are done: the next step's plan, made at once on the plan's stream with the
+// same sizes, must not overwrite the tables the gated run has yet to read.
+TEST(GpuInference, ReleasingAPlanDoesNotWaitAndIsOrderedAfterItsRuns) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  for (const bool prefill : {true, false}) {
+    SCOPED_TRACE(prefill ? "prefill" : "decode");
+    auto make = [&] {
+      return prefill ? make_prefill_case(rng, Topology::minimax_m3(), {2600, 0, 300}, {400, 90, 3}, format_options("bf16"))
+                     : make_decode_case(rng, Topology::minimax_m3(), {3000, 0, 700, 140}, 8, format_options("bf16"));
+    };
+    const PagedCase c = make(), next = make();
+    const int splits = prefill ? 0 : 2;
+    DeviceCase d(c);
+    GpuOutputs o(c, DType::bf16);
+    cudaStream_t plan_stream, run_stream;
+    CHECK_CUDA(cudaStreamCreateWithFlags(&plan_stream, cudaStreamNonBlocking));
+    CHECK_CUDA(cudaStreamCreateWithFlags(&run_stream, cudaStreamNonBlocking));
+    CHECK_CUDA(cudaDeviceSynchronize());
+    struct Gate {
+      std::atomic<bool> open{false}, timed_out{false};
+    } gate;
+    CHECK_CUDA(cudaLaunchHostFunc(
+        run_stream,
+        [](void* p) {
+          auto* g = static_cast<Gate*>(p);
+          const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+          while (!g->open.load()) {
+            if (std::chrono::steady_clock::now() > until) {
+              g->timed_out = true;
+              return;
+            }
+            std::this_thread::sleep_for(std::chrono::microseconds(100));
+          }
+        },
+        &gate));
+    std::optional<InferencePlan> plan(gpu_plan(c, splits, plan_stream));
+    RunOptions opt;
+    opt.stream = run_stream;
+    gpu_paged_forward(*plan, d, o, opt);
+    plan.reset();  // the last copy: its buffers go back on plan_stream
+    std::optional<InferencePlan> following(gpu_plan(next, splits, plan_stream));
+    EXPECT_FALSE(gate.timed_out.load()) << "releasing the plan waited for the device";
+    EXPECT_EQ(cudaStreamQuery(run_stream), cudaErrorNotReady) << "the gated run finished before the gate opened";
+    gate.open = true;
+    CHECK_CUDA(cudaStreamSynchronize(run_stream));
+    CHECK_CUDA(cudaStreamSynchronize(plan_stream));
+    EXPECT_FALSE(gate.timed_out.load());
+    following.reset();
     const PagedOutputs got = o.host();
     expect_selection_matches_cpu(c, got.topk, cpu_indexer(c));
     expect_attention_matches_cpu(got, cpu_attention(c, got.topk, splits == 0 ? 1 : splits, DType::bf16));

@@ -170,11 +170,13 @@ struct InferencePlanOptions {
   int num_threads = 0;            // CPU: most threads a run uses (scratch is sized for them);
                                   //   0 = OpenMP's default
   void* stream = nullptr;         // CUDA: the cudaStream_t the plan's uploads are queued on
-                                  //   (nullptr: the legacy default stream). Planning never waits
-                                  //   for the device; a run on another stream waits for the
-                                  //   uploads on the device (an event), except under stream
-                                  //   capture: capture on the plan's stream, or after a run of
-                                  //   the plan on the capturing stream outside the capture.
+                                  //   (nullptr: the legacy default stream); its memory is given
+                                  //   back in this stream's order, so the stream must outlive
+                                  //   the plan. Planning never waits for the device; a run on
+                                  //   another stream waits for the uploads on the device (an
+                                  //   event), except under stream capture: capture on the
+                                  //   plan's stream, or after a run of the plan on the
+                                  //   capturing stream outside the capture.
 };
 
 enum class InferencePhase : uint8_t { prefill, decode };
@@ -211,10 +213,13 @@ struct InferencePlan {
   // CUDA prefill plans: the attention's schedule buffers and partial states (16 per query
   // and head: 0.26 MB per query row with 64 heads), sized for the step.
   std::shared_ptr<void> backend;
-  // CUDA: an event recorded on upload_stream after the plan's uploads (plan_*, update_decode_plan);
-  // runs on other streams wait for it.
-  std::shared_ptr<void> uploaded;
-  void* upload_stream = nullptr;
+  // CUDA: the plan's streams. Runs on a stream other than the latest uploads' (plan_*,
+  // update_decode_plan) wait for them on the device; when the last copy of the plan goes, the
+  // stream it was made on (InferencePlanOptions::stream) waits on the device for every stream
+  // that ran or updated it, and the buffers above go back to the allocator in that stream's
+  // order: releasing a plan never waits for the device. Keep it the last member (members are
+  // destroyed last to first: this ordering is queued before the buffers are given back).
+  std::shared_ptr<void> streams;
 };
 
 InferencePlan plan_paged_prefill(const Topology& topo, const PagedPrefillMetadata& meta,

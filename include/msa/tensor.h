@@ -58,8 +58,8 @@ struct TensorView {
 };
 
 // Where msa's CUDA memory comes from: plan buffers, the plan's workspace, temporary scratch
-// and Buffers on a CUDA device. Process-wide; by default cudaMalloc / cudaFree for buffers and
-// cudaMallocAsync / cudaFreeAsync for temporary scratch.
+// and Buffers on a CUDA device. Process-wide; by default cudaMalloc / cudaFree for buffers,
+// cudaMallocAsync / cudaFreeAsync for temporary scratch and inference plans (Release below).
 //
 // A custom allocator (for example a framework's caching allocator, so that plans built during
 // CUDA-graph capture come from the graph's memory pool) must be stream-ordered:
@@ -85,13 +85,23 @@ void reset_device_allocator();
 // The allocator in use (is_default() for the built-in one).
 DeviceAllocator device_allocator();
 
+// How the built-in allocator gives a CUDA buffer's memory back (a custom allocator receives
+// the buffer's stream either way and is stream-ordered by contract).
+enum class Release : uint8_t {
+  device_wait,  // cudaFree: waits for all work on the device, so any stream may have used it
+  in_stream,    // cudaFreeAsync on the buffer's stream: no wait; work on other streams that used
+                //   the buffer must be ordered before the release on that stream (the stream
+                //   must outlive the buffer)
+};
+
 // Owning buffer on the CPU or on a CUDA device; `view()` describes it as a contiguous tensor.
 // CUDA buffers come from the device allocator above; `stream` (a cudaStream_t) is the stream
-// their users run on, passed to a custom allocator (the default ignores it).
+// their users run on, passed to a custom allocator; `release` applies to the built-in one.
 class Buffer {
  public:
   Buffer() = default;
-  Buffer(Device device, DType dtype, std::vector<int64_t> shape, void* stream = nullptr);
+  Buffer(Device device, DType dtype, std::vector<int64_t> shape, void* stream = nullptr,
+         Release release = Release::device_wait);
   TensorView view() const;
   void* data() const { return storage_.get(); }
   int64_t bytes() const { return bytes_; }

@@ -1,6 +1,6 @@
 // Several buffers carved out of one allocation, each piece 256-byte aligned. A plan holds
 // about twenty small buffers; one allocator call instead of one each keeps build_plan short,
-// and since cudaFree waits for the device, one release keeps a plan's destruction to one wait.
+// and where cudaFree gives it back (Release::device_wait), a plan's destruction waits once.
 #pragma once
 
 #include <vector>
@@ -22,10 +22,10 @@ class BufferPack {
     return offset;
   }
 
-  // One buffer on `device` (for work on `stream`) holding every piece added so far; returns it
-  // whole (u8), e.g. to fill all the pieces with one copy.
-  Buffer allocate(Device device, void* stream) {
-    const Buffer whole(device, DType::u8, {bytes_ > 0 ? bytes_ : 256}, stream);
+  // One buffer on `device` (for work on `stream`, given back as `release` says) holding every
+  // piece added so far; returns it whole (u8), e.g. to fill all the pieces with one copy.
+  Buffer allocate(Device device, void* stream, Release release = Release::device_wait) {
+    const Buffer whole(device, DType::u8, {bytes_ > 0 ? bytes_ : 256}, stream, release);
     for (Piece& p : pieces_) *p.target = whole.slice(p.offset, p.dtype, std::move(p.shape));
     pieces_.clear();
     bytes_ = 0;

@@ -43,9 +43,10 @@ std::vector<int32_t> host_int32(const TensorView& t, const char* name, const std
   return v;
 }
 
-// Buffer on `device` holding a copy of host `values` with `shape` (queued on `stream`).
+// A plan's buffer on `device` holding a copy of host `values` with `shape` (queued on `stream`,
+// given back in its order).
 Buffer device_copy(Device device, const std::vector<int32_t>& values, std::vector<int64_t> shape, void* stream) {
-  Buffer b(device, DType::i32, shape, stream);
+  Buffer b(device, DType::i32, shape, stream, Release::in_stream);
   if (values.empty()) return b;
   const TensorView src = TensorView::contiguous(const_cast<int32_t*>(values.data()), DType::i32, shape);
   copy(src, b.view(), stream);
@@ -61,7 +62,7 @@ class Int32Upload {
   }
   // Queued on `stream` (pageable host memory: the values are staged before the call returns).
   void run(Device device, void* stream) {
-    const Buffer whole = pack_.allocate(device, stream);
+    const Buffer whole = pack_.allocate(device, stream, Release::in_stream);
     std::vector<uint8_t> host(size_t(whole.bytes()), 0);
     for (const auto& [offset, values] : pieces_)
       if (!values->empty()) std::memcpy(host.data() + offset, values->data(), values->size() * sizeof(int32_t));
@@ -174,8 +175,10 @@ InferencePlan finish(const Topology& topo, InferencePhase phase, const StepReque
   tables.add(&plan.slot_mapping, slots, {plan.total_q});
   tables.run(dev, options.stream);
   if (phase == InferencePhase::decode) {
-    plan.partial_out = Buffer(dev, DType::f32, {num_kv_splits, plan.total_q, topo.num_q_heads, kHeadDim});
-    plan.partial_lse = Buffer(dev, DType::f32, {num_kv_splits, plan.total_q, topo.num_q_heads});
+    plan.partial_out = Buffer(dev, DType::f32, {num_kv_splits, plan.total_q, topo.num_q_heads, kHeadDim},
+                              options.stream, Release::in_stream);
+    plan.partial_lse = Buffer(dev, DType::f32, {num_kv_splits, plan.total_q, topo.num_q_heads}, options.stream,
+                              Release::in_stream);
     if (dev.is_cuda() && num_kv_splits > 1) {  // the last split CTA of a tile merges (paged_decode_wgmma.cu)
       const int64_t rows = detail::decode_tile_rows(q_len_per_req);
       const int64_t n = (plan.total_q + rows - 1) / rows * topo.num_kv_heads;
@@ -192,13 +195,12 @@ InferencePlan finish(const Topology& topo, InferencePhase phase, const StepReque
     const int64_t per_row = int64_t(topo.num_index_heads) * history;
     const int64_t budget = int64_t(32) << 20;  // floats
     const int64_t rows = std::clamp<int64_t>(budget / per_row, 16, std::max<int64_t>(plan.total_q, 16));
-    plan.scratch_f32 = Buffer(dev, DType::f32, {rows, per_row});
+    plan.scratch_f32 = Buffer(dev, DType::f32, {rows, per_row}, options.stream, Release::in_stream);
     if (phase == InferencePhase::prefill)
       plan.backend = detail::cuda_only("paged prefill plan", [&] {
         return cuda::prepare_paged_prefill(plan, s.cu_q, s.seq_lens, options.stream);
       });
-    plan.uploaded = detail::cuda_only("inference plan", [&] { return cuda::record_event(dev.index, options.stream); });
-    plan.upload_stream = options.stream;
+    plan.streams = detail::cuda_only("inference plan", [&] { return cuda::plan_streams(dev.index, options.stream); });
   }
   return plan;
 }
@@ -321,10 +323,8 @@ void update_decode_plan(InferencePlan& plan, const DecodeMetadata& meta, const R
   upload(rows.positions, plan.positions);
   upload(rows.slots, plan.slot_mapping);
   plan.max_physical_page = rows.max_physical_page;
-  if (plan.device.is_cuda()) {  // runs on other streams wait for these copies
-    plan.uploaded = detail::cuda_only("update_decode_plan", [&] { return cuda::record_event(plan.device.index, opt.stream); });
-    plan.upload_stream = opt.stream;
-  }
+  if (plan.device.is_cuda())  // runs on other streams wait for these copies
+    detail::cuda_only("update_decode_plan", [&] { cuda::plan_uploaded(plan.streams, opt.stream); });
 }
 
 std::vector<int32_t> document_positions(const PackedLayout& layout) {

@@ -148,7 +148,7 @@ int64_t plan_workspace_bytes(const Topology& topo, const PackedLayout& L, Device
 namespace detail {
 
 SparsePlan allocate_plan(const Topology& topo, int64_t total_q, int64_t rows, int q_per_cta, Device device,
-                         void* stream, bool with_selection) {
+                         void* stream, bool with_selection, Release release) {
   const int Hkv = topo.num_kv_heads;
   const int64_t edges = total_q * topo.topk;
   SparsePlan plan;
@@ -168,7 +168,7 @@ SparsePlan allocate_plan(const Topology& topo, int64_t total_q, int64_t rows, in
   buffers.add(&plan.schedule, DType::i32, {capacity, 6});
   buffers.add(&plan.work_count_dev, DType::i32, {1});
   if (with_selection) buffers.add(&plan.selection, DType::i32, {topo.num_index_heads, total_q, topo.topk});
-  buffers.allocate(device, stream);
+  buffers.allocate(device, stream, release);
   return plan;
 }
 

@@ -42,7 +42,7 @@ DeviceAllocator device_allocator() {
 
 namespace detail {
 
-std::shared_ptr<void> allocate_device(int64_t bytes, int device, void* stream, bool scratch) {
+std::shared_ptr<void> allocate_device(int64_t bytes, int device, void* stream, Release release) {
   return cuda_only("allocating device memory", [&]() -> std::shared_ptr<void> {
     if (auto a = current_allocator()) {
       void* p = a->allocate(bytes, device, stream, a->context);
@@ -52,7 +52,7 @@ std::shared_ptr<void> allocate_device(int64_t bytes, int device, void* stream, b
       return std::shared_ptr<void>(
           p, [a, bytes, device, stream](void* q) { a->deallocate(q, bytes, device, stream, a->context); });
     }
-    if (scratch) {
+    if (release == Release::in_stream) {
       void* p = cuda::allocate_async(bytes, device, stream);
       return std::shared_ptr<void>(p, [device, stream](void* q) { cuda::release_async(q, device, stream); });
     }
@@ -121,14 +121,14 @@ std::string TensorView::shape_string() const {
   return os.str();
 }
 
-Buffer::Buffer(Device device, DType dtype, std::vector<int64_t> shape, void* stream)
+Buffer::Buffer(Device device, DType dtype, std::vector<int64_t> shape, void* stream, Release release)
     : device_(device), dtype_(dtype), shape_(std::move(shape)) {
   int64_t n = 1;
   for (int64_t s : shape_) n *= s;
   bytes_ = n * dtype_size(dtype);
   const size_t alloc = size_t(bytes_ > 0 ? bytes_ : 1);
   if (device.is_cuda()) {
-    storage_ = detail::allocate_device(int64_t(alloc), device.index, stream, false);
+    storage_ = detail::allocate_device(int64_t(alloc), device.index, stream, release);
   } else {
     void* p = std::aligned_alloc(64, (alloc + 63) / 64 * 64);
     if (!p) throw Error(ErrorKind::runtime, detail::concat("out of host memory allocating ", bytes_, " bytes"));

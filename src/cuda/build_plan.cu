@@ -593,7 +593,7 @@ void check_schedule_size(int Hkv, int64_t total_q, int64_t rows, const char* who
 }
 
 void upload_layout(const Topology& topo, const PackedLayout& L, SparsePlan& plan, PlanState& state, bool with_chunks,
-                   cudaStream_t s) {
+                   cudaStream_t s, Release release) {
   const int Hkv = topo.num_kv_heads, B = L.num_documents();
   const int64_t rows = plan.total_rows;
   const HostRows host_rows = number_rows(L);
@@ -616,7 +616,7 @@ void upload_layout(const Topology& topo, const PackedLayout& L, SparsePlan& plan
   buffers.add(&state.chunk_first, DType::i32, {per_row});
   buffers.add(&state.chunk_nfull, DType::i32, {per_row});
   buffers.add(&state.chunk_tail, DType::i32, {per_row});
-  buffers.allocate(plan.device, static_cast<void*>(s));
+  buffers.allocate(plan.device, static_cast<void*>(s), release);
   Uploader up(s);
   up.add(state.docs, docs_flat);
   up.add(state.cu_q, L.cu_seqlens_q());

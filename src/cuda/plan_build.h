@@ -18,9 +18,9 @@ void check_schedule_size(int Hkv, int64_t total_q, int64_t rows, const char* who
 
 // The layout's tables (PlanState: documents, row numbering) and plan.rows on the device.
 // plan's buffers (include/msa/ops.h) must already be allocated; with_chunks also sizes the
-// backward / KL work items.
+// backward / KL work items. The state's buffers are given back as `release` says.
 void upload_layout(const Topology& topo, const PackedLayout& L, SparsePlan& plan, PlanState& state, bool with_chunks,
-                   cudaStream_t stream);
+                   cudaStream_t stream, Release release = Release::device_wait);
 
 // The k2q CSR, partial slots and work items of `topk` ([Hkv, total_q, 16] int32 on the
 // device) into the plan's buffers; invalid entries set plan.status (they are left out).

@@ -133,24 +133,6 @@ void synchronize(int device) {
   MSA_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
-std::shared_ptr<void> record_event(int device, void* stream) {
-  DeviceGuard guard(device);
-  cudaEvent_t e = nullptr;
-  MSA_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
-  std::shared_ptr<void> owner(e, [](void* p) { cudaEventDestroy(static_cast<cudaEvent_t>(p)); });
-  MSA_CUDA_CHECK(cudaEventRecord(e, static_cast<cudaStream_t>(stream)));
-  return owner;
-}
-
-void wait_event(const std::shared_ptr<void>& event, void* event_stream, void* stream) {
-  if (event == nullptr || event_stream == stream) return;
-  const auto s = static_cast<cudaStream_t>(stream);
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  MSA_CUDA_CHECK(cudaStreamIsCapturing(s, &capture));
-  if (capture != cudaStreamCaptureStatusNone) return;
-  MSA_CUDA_CHECK(cudaStreamWaitEvent(s, static_cast<cudaEvent_t>(event.get()), 0));
-}
-
 int device_count() {
   int n = 0;
   if (cudaGetDeviceCount(&n) != cudaSuccess) {

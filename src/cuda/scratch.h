@@ -19,7 +19,7 @@ class StreamScratch {
     if (bytes > 0) {
       int device = 0;
       MSA_CUDA_CHECK(cudaGetDevice(&device));
-      mem_ = detail::allocate_device(bytes, device, stream, true);
+      mem_ = detail::allocate_device(bytes, device, stream, Release::in_stream);
     }
   }
   StreamScratch(const StreamScratch&) = delete;

@@ -29,9 +29,10 @@
 #include "core/check.h"
 #include "core/decode_splits.h"
 #include "cuda/device.cuh"
-#include "cuda/inference/quant.cuh"
 #include "cuda/inference/decode_pages.cuh"
+#include "cuda/inference/quant.cuh"
 #include "cuda/kv_source.cuh"
+#include "cuda/plan_streams.h"
 #include "cuda/tensor_map.h"
 
 namespace msa::cuda {
@@ -509,7 +510,7 @@ int rows_instance(int rows) { return rows <= 1 ? 1 : rows <= 2 ? 2 : rows <= 4 ?
 
 void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, const RunOptions& opt) {
   DeviceGuard guard(p.q.device.index);
-  wait_event(plan.uploaded, plan.upload_stream, opt.stream);  // the plan's tables
+  const PlanRun run(plan.streams, opt.stream);  // after the plan's uploads; its release after this run
   if (plan.phase == InferencePhase::prefill) return paged_prefill_attention(plan, p, opt);
   const cudaStream_t stream = as_stream(opt);
   const int64_t T = plan.total_q;

@@ -26,6 +26,7 @@
 #include "cuda/device.cuh"
 #include "cuda/inference/quant.cuh"
 #include "cuda/named_barriers.cuh"
+#include "cuda/plan_streams.h"
 #include "cuda/tensor_map.h"
 #include "cuda/wgmma.cuh"
 
@@ -800,7 +801,7 @@ void launch_scores_for(bool q_fp8, bool k_fp8, const ScoreArgs& a, int64_t tiles
 
 void paged_indexer(const InferencePlan& plan, const PagedIndexerParams& p, const RunOptions& opt) {
   DeviceGuard guard(p.index_q.device.index);
-  wait_event(plan.uploaded, plan.upload_stream, opt.stream);  // the plan's tables
+  const PlanRun run(plan.streams, opt.stream);  // after the plan's uploads; its release after this run
   const cudaStream_t stream = as_stream(opt);
   const int64_t T = plan.total_q;
   if (T == 0) return;

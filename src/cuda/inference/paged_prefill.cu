@@ -66,11 +66,12 @@ std::shared_ptr<void> prepare_paged_prefill(const InferencePlan& plan, const std
   const int Hkv = topo.num_kv_heads;
   const int64_t total_q = plan.total_q, rows = e->layout.total_rows(kPageSize);
   check_schedule_size(Hkv, total_q, rows, "paged prefill (CUDA)");
-  e->plan = detail::allocate_plan(topo, total_q, rows, kQueriesPerItem, plan.device, stream, false);
-  upload_layout(topo, e->layout, e->plan, e->state, false, static_cast<cudaStream_t>(stream));
+  // The plan's memory goes back in `stream`'s order once its runs there are done (PlanStreams).
+  e->plan = detail::allocate_plan(topo, total_q, rows, kQueriesPerItem, plan.device, stream, false, Release::in_stream);
+  upload_layout(topo, e->layout, e->plan, e->state, false, static_cast<cudaStream_t>(stream), Release::in_stream);
   e->partials = forward_workspace_layout(total_q, Hkv);
-  e->scratch = Buffer(plan.device, DType::u8, {e->partials.total}, stream);
-  // No host wait: runs on other streams wait for the plan's event (InferencePlan::uploaded).
+  e->scratch = Buffer(plan.device, DType::u8, {e->partials.total}, stream, Release::in_stream);
+  // No host wait: runs on other streams wait for the uploads on the device (InferencePlan::streams).
   return e;
 }
 
