@@ -694,6 +694,34 @@ TEST(GpuInference, PrefillStepGraphReplayWithNewContents) {
   expect_graph_replays_match_cpu(rng, c, 0);
 }
 
+// A plan's stream and a run stream, both non-blocking; declared before the plans that use them
+// (a plan's stream outlives it: its memory goes back there).
+struct PlanAndRunStreams {
+  cudaStream_t plan = nullptr, run = nullptr;
+  PlanAndRunStreams() {  // (ASSERT_* cannot be used in a constructor)
+    EXPECT_EQ(cudaStreamCreateWithFlags(&plan, cudaStreamNonBlocking), cudaSuccess);
+    EXPECT_EQ(cudaStreamCreateWithFlags(&run, cudaStreamNonBlocking), cudaSuccess);
+  }
+  ~PlanAndRunStreams() {
+    cudaStreamDestroy(plan);
+    cudaStreamDestroy(run);
+  }
+  PlanAndRunStreams(const PlanAndRunStreams&) = delete;
+  PlanAndRunStreams& operator=(const PlanAndRunStreams&) = delete;
+  RunOptions run_options() const {
+    RunOptions opt;
+    opt.stream = run;
+    return opt;
+  }
+};
+
+// The device's indexer and attention outputs `o` against the CPU backend's on case `c`.
+void expect_forward_matches_cpu(const PagedCase& c, const GpuOutputs& o, int splits) {
+  const PagedOutputs got = o.host();
+  expect_selection_matches_cpu(c, got.topk, cpu_indexer(c));
+  expect_attention_matches_cpu(got, cpu_attention(c, got.topk, splits == 0 ? 1 : splits, DType::bf16));
+}
+
 // Planning queues the plan's uploads on its stream and returns without waiting for the device;
 // a step run on another (non-blocking) stream waits for them on the device. The plan's stream
 // is held back by a host callback that sleeps, so a planner that waited would return after it
@@ -706,27 +734,18 @@ TEST(GpuInference, PlanningDoesNotWaitAndRunsOnOtherStreamsWaitForThePlan) {
     PagedCase c = prefill ? make_prefill_case(rng, Topology::minimax_m3(), {2600, 0, 300}, {400, 90, 3}, format_options("fp8"))
                           : make_decode_case(rng, Topology::minimax_m3(), {3000, 0, 700, 140}, 8, format_options("fp8"));
     const int splits = prefill ? 0 : 2;
+    const PlanAndRunStreams streams;
     DeviceCase d(c);
     GpuOutputs o(c, DType::bf16);
-    cudaStream_t plan_stream, run_stream;
-    CHECK_CUDA(cudaStreamCreateWithFlags(&plan_stream, cudaStreamNonBlocking));
-    CHECK_CUDA(cudaStreamCreateWithFlags(&run_stream, cudaStreamNonBlocking));
     CHECK_CUDA(cudaDeviceSynchronize());  // the case's copies and the outputs' poison are done
     CHECK_CUDA(cudaLaunchHostFunc(
-        plan_stream, [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(500)); }, nullptr));
-    std::optional<InferencePlan> plan(gpu_plan(c, splits, plan_stream));
-    EXPECT_EQ(cudaStreamQuery(plan_stream), cudaErrorNotReady) << "planning waited for its stream";
-    RunOptions opt;
-    opt.stream = run_stream;
-    gpu_paged_forward(*plan, d, o, opt);
-    plan.reset();  // a plan's stream outlives it (its memory goes back there)
-    CHECK_CUDA(cudaStreamSynchronize(run_stream));
-    CHECK_CUDA(cudaStreamSynchronize(plan_stream));
-    const PagedOutputs got = o.host();
-    expect_selection_matches_cpu(c, got.topk, cpu_indexer(c));
-    expect_attention_matches_cpu(got, cpu_attention(c, got.topk, splits == 0 ? 1 : splits, DType::bf16));
-    CHECK_CUDA(cudaStreamDestroy(plan_stream));
-    CHECK_CUDA(cudaStreamDestroy(run_stream));
+        streams.plan, [](void*) { std::this_thread::sleep_for(std::chrono::milliseconds(500)); }, nullptr));
+    const InferencePlan plan = gpu_plan(c, splits, streams.plan);
+    EXPECT_EQ(cudaStreamQuery(streams.plan), cudaErrorNotReady) << "planning waited for its stream";
+    gpu_paged_forward(plan, d, o, streams.run_options());
+    CHECK_CUDA(cudaStreamSynchronize(streams.run));
+    CHECK_CUDA(cudaStreamSynchronize(streams.plan));
+    expect_forward_matches_cpu(c, o, splits);
   }
 }
 
@@ -746,17 +765,15 @@ TEST(GpuInference, ReleasingAPlanDoesNotWaitAndIsOrderedAfterItsRuns) {
     };
     const PagedCase c = make(), next = make();
     const int splits = prefill ? 0 : 2;
+    const PlanAndRunStreams streams;
     DeviceCase d(c);
     GpuOutputs o(c, DType::bf16);
-    cudaStream_t plan_stream, run_stream;
-    CHECK_CUDA(cudaStreamCreateWithFlags(&plan_stream, cudaStreamNonBlocking));
-    CHECK_CUDA(cudaStreamCreateWithFlags(&run_stream, cudaStreamNonBlocking));
     CHECK_CUDA(cudaDeviceSynchronize());
     struct Gate {
       std::atomic<bool> open{false}, timed_out{false};
     } gate;
     CHECK_CUDA(cudaLaunchHostFunc(
-        run_stream,
+        streams.run,
         [](void* p) {
           auto* g = static_cast<Gate*>(p);
           const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
@@ -769,24 +786,17 @@ TEST(GpuInference, ReleasingAPlanDoesNotWaitAndIsOrderedAfterItsRuns) {
           }
         },
         &gate));
-    std::optional<InferencePlan> plan(gpu_plan(c, splits, plan_stream));
-    RunOptions opt;
-    opt.stream = run_stream;
-    gpu_paged_forward(*plan, d, o, opt);
-    plan.reset();  // the last copy: its buffers go back on plan_stream
-    std::optional<InferencePlan> following(gpu_plan(next, splits, plan_stream));
+    std::optional<InferencePlan> plan(gpu_plan(c, splits, streams.plan));
+    gpu_paged_forward(*plan, d, o, streams.run_options());
+    plan.reset();  // the last copy: its buffers go back on streams.plan
+    const InferencePlan following = gpu_plan(next, splits, streams.plan);
     EXPECT_FALSE(gate.timed_out.load()) << "releasing the plan waited for the device";
-    EXPECT_EQ(cudaStreamQuery(run_stream), cudaErrorNotReady) << "the gated run finished before the gate opened";
+    EXPECT_EQ(cudaStreamQuery(streams.run), cudaErrorNotReady) << "the gated run finished before the gate opened";
     gate.open = true;
-    CHECK_CUDA(cudaStreamSynchronize(run_stream));
-    CHECK_CUDA(cudaStreamSynchronize(plan_stream));
+    CHECK_CUDA(cudaStreamSynchronize(streams.run));
+    CHECK_CUDA(cudaStreamSynchronize(streams.plan));
     EXPECT_FALSE(gate.timed_out.load());
-    following.reset();
-    const PagedOutputs got = o.host();
-    expect_selection_matches_cpu(c, got.topk, cpu_indexer(c));
-    expect_attention_matches_cpu(got, cpu_attention(c, got.topk, splits == 0 ? 1 : splits, DType::bf16));
-    CHECK_CUDA(cudaStreamDestroy(plan_stream));
-    CHECK_CUDA(cudaStreamDestroy(run_stream));
+    expect_forward_matches_cpu(c, o, splits);
   }
 }
 
