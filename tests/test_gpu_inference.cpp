@@ -753,50 +753,65 @@ TEST(GpuInference, PlanningDoesNotWaitAndRunsOnOtherStreamsWaitForThePlan) {
 // run stream below is held by a host gate that opens only after the drop: a wait would stall
 // until the gate's timeout), and the memory it gives back must not be reused before its runs
 // on other streams are done: the next step's plan, made at once on the plan's stream with the
-// same sizes, must not overwrite the tables the gated run has yet to read.
+// same sizes, must not overwrite the tables the gated run has yet to read. The plan goes
+// either as the last copy is destroyed or as another plan is assigned over it.
 TEST(GpuInference, ReleasingAPlanDoesNotWaitAndIsOrderedAfterItsRuns) {
   MSA_REQUIRE_GPU();
   MSA_SEEDED_RNG(rng);
   for (const bool prefill : {true, false}) {
-    SCOPED_TRACE(prefill ? "prefill" : "decode");
-    auto make = [&] {
-      return prefill ? make_prefill_case(rng, Topology::minimax_m3(), {2600, 0, 300}, {400, 90, 3}, format_options("bf16"))
-                     : make_decode_case(rng, Topology::minimax_m3(), {3000, 0, 700, 140}, 8, format_options("bf16"));
-    };
-    const PagedCase c = make(), next = make();
-    const int splits = prefill ? 0 : 2;
-    const PlanAndRunStreams streams;
-    DeviceCase d(c);
-    GpuOutputs o(c, DType::bf16);
-    CHECK_CUDA(cudaDeviceSynchronize());
-    struct Gate {
-      std::atomic<bool> open{false}, timed_out{false};
-    } gate;
-    CHECK_CUDA(cudaLaunchHostFunc(
-        streams.run,
-        [](void* p) {
-          auto* g = static_cast<Gate*>(p);
-          const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-          while (!g->open.load()) {
-            if (std::chrono::steady_clock::now() > until) {
-              g->timed_out = true;
-              return;
+    for (const bool assigned : {false, true}) {
+      SCOPED_TRACE(std::string(prefill ? "prefill" : "decode") + (assigned ? ", assigned over" : ", destroyed"));
+      auto make = [&] {
+        return prefill ? make_prefill_case(rng, Topology::minimax_m3(), {2600, 0, 300}, {400, 90, 3}, format_options("bf16"))
+                       : make_decode_case(rng, Topology::minimax_m3(), {3000, 0, 700, 140}, 8, format_options("bf16"));
+      };
+      const PagedCase c = make(), next = make();
+      const int splits = prefill ? 0 : 2;
+      const PlanAndRunStreams streams;
+      DeviceCase d(c);
+      GpuOutputs o(c, DType::bf16);
+      CHECK_CUDA(cudaDeviceSynchronize());
+      struct Gate {
+        std::atomic<bool> open{false}, timed_out{false};
+      } gate;
+      CHECK_CUDA(cudaLaunchHostFunc(
+          streams.run,
+          [](void* p) {
+            auto* g = static_cast<Gate*>(p);
+            const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+            while (!g->open.load()) {
+              if (std::chrono::steady_clock::now() > until) {
+                g->timed_out = true;
+                return;
+              }
+              std::this_thread::sleep_for(std::chrono::microseconds(100));
             }
-            std::this_thread::sleep_for(std::chrono::microseconds(100));
-          }
-        },
-        &gate));
-    std::optional<InferencePlan> plan(gpu_plan(c, splits, streams.plan));
-    gpu_paged_forward(*plan, d, o, streams.run_options());
-    plan.reset();  // the last copy: its buffers go back on streams.plan
-    const InferencePlan following = gpu_plan(next, splits, streams.plan);
-    EXPECT_FALSE(gate.timed_out.load()) << "releasing the plan waited for the device";
-    EXPECT_EQ(cudaStreamQuery(streams.run), cudaErrorNotReady) << "the gated run finished before the gate opened";
-    gate.open = true;
-    CHECK_CUDA(cudaStreamSynchronize(streams.run));
-    CHECK_CUDA(cudaStreamSynchronize(streams.plan));
-    EXPECT_FALSE(gate.timed_out.load());
-    expect_forward_matches_cpu(c, o, splits);
+          },
+          &gate));
+      struct OpenAtExit {  // also when an assertion returns early: the callback reads `gate`
+        Gate& gate;
+        cudaStream_t stream;
+        ~OpenAtExit() {
+          gate.open = true;
+          cudaStreamSynchronize(stream);
+        }
+      } open_at_exit{gate, streams.run};
+      std::optional<InferencePlan> plan(gpu_plan(c, splits, streams.plan));
+      gpu_paged_forward(*plan, d, o, streams.run_options());
+      if (assigned)
+        *plan = gpu_plan(next, splits, streams.plan);  // the old plan's buffers go back on streams.plan
+      else
+        plan.reset();
+      const InferencePlan following = gpu_plan(next, splits, streams.plan);
+      plan.reset();
+      EXPECT_FALSE(gate.timed_out.load()) << "releasing the plan waited for the device";
+      EXPECT_EQ(cudaStreamQuery(streams.run), cudaErrorNotReady) << "the gated run finished before the gate opened";
+      gate.open = true;
+      CHECK_CUDA(cudaStreamSynchronize(streams.run));
+      CHECK_CUDA(cudaStreamSynchronize(streams.plan));
+      EXPECT_FALSE(gate.timed_out.load());
+      expect_forward_matches_cpu(c, o, splits);
+    }
   }
 }
 

@@ -138,6 +138,37 @@ TEST(InferenceDecode, UpdatedPlanRunsTheNextStep) {
   }
 }
 
+// InferencePlan's assignments (they release the old plan as a whole, CUDA ordering included)
+// must still carry every field: a plan assigned over another runs the assigned step.
+TEST(InferenceDecode, AssignedPlansRunTheAssignedStep) {
+  MSA_SEEDED_RNG(rng);
+  const PagedCase c = make_decode_case(rng, kSmall, {3000, 0, 700, 140}, 4);
+  const PagedCase next = next_step(c);
+  const PagedOutputs want = run_paged(next, 4);
+  auto run = [&](const InferencePlan& plan) {
+    PagedOutputs o = make_outputs(next);
+    PagedAttentionParams a = attention_params(next, o);
+    a.topk = {};
+    paged_forward(plan, indexer_params(next, o), a);
+    EXPECT_EQ(o.topk.raw(), want.topk.raw());
+    EXPECT_EQ(o.out.raw(), want.out.raw());
+    EXPECT_EQ(o.lse.raw(), want.lse.raw());
+  };
+  InferencePlan plan = c.plan(1);
+  const InferencePlan source = next.plan(4);
+  plan = source;  // copy
+  EXPECT_EQ(plan.num_kv_splits, 4);
+  EXPECT_EQ(plan.partial_out.data(), source.partial_out.data()) << "copies share their buffers";
+  run(plan);
+  InferencePlan moved = c.plan(1);
+  moved = next.plan(4);  // move
+  EXPECT_EQ(moved.max_seqlen_k, source.max_seqlen_k);
+  run(moved);
+  InferencePlan& self = moved;
+  moved = std::move(self);  // self-move leaves the plan as it was
+  run(moved);
+}
+
 TEST(InferenceDecode, UpdateRefusesAnotherShapeAndLeavesThePlan) {
   MSA_SEEDED_RNG(rng);
   const PagedCase c = make_decode_case(rng, kSmall, {3000, 0, 700, 140}, 4);

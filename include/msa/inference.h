@@ -215,11 +215,19 @@ struct InferencePlan {
   std::shared_ptr<void> backend;
   // CUDA: the plan's streams. Runs on a stream other than the latest uploads' (plan_*,
   // update_decode_plan) wait for them on the device; when the last copy of the plan goes, the
-  // stream it was made on (InferencePlanOptions::stream) waits on the device for every stream
-  // that ran or updated it, and the buffers above go back to the allocator in that stream's
-  // order: releasing a plan never waits for the device. Keep it the last member (members are
-  // destroyed last to first: this ordering is queued before the buffers are given back).
+  // stream it was made on (InferencePlanOptions::stream) waits on the device for the plan's
+  // runs on other streams and its latest update, and the buffers above go back to the
+  // allocator in that stream's order: releasing a plan never waits for the device. Keep it the
+  // last member (members are destroyed last to first: this ordering is queued before the
+  // buffers are given back); assignment releases the old plan the same way.
   std::shared_ptr<void> streams;
+
+  InferencePlan() = default;
+  InferencePlan(const InferencePlan&) = default;
+  InferencePlan(InferencePlan&&) noexcept = default;
+  InferencePlan& operator=(const InferencePlan& other);
+  InferencePlan& operator=(InferencePlan&& other) noexcept;
+  ~InferencePlan() = default;
 };
 
 InferencePlan plan_paged_prefill(const Topology& topo, const PagedPrefillMetadata& meta,

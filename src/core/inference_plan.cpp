@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstring>
+#include <new>
 
 #include "backend.h"
 #include "backend_inference.h"
@@ -257,6 +258,22 @@ void check_decode_lengths(StepRequests& s, int Q) {
 }
 
 }  // namespace
+
+// Member-wise assignment would give the old plan's buffers back before its `streams` (the last
+// member) had ordered their release after the plan's runs; the old plan is released as a whole
+// instead, by its destructor.
+InferencePlan& InferencePlan::operator=(InferencePlan&& other) noexcept {
+  if (this == &other) return *this;
+  const InferencePlan old(std::move(*this));  // released when this returns, streams first
+  this->~InferencePlan();                     // holds nothing now: every member was moved out
+  new (this) InferencePlan(std::move(other));
+  return *this;
+}
+
+InferencePlan& InferencePlan::operator=(const InferencePlan& other) {
+  if (this != &other) *this = InferencePlan(other);
+  return *this;
+}
 
 InferencePlan plan_paged_prefill(const Topology& topo, const PagedPrefillMetadata& meta,
                                  const InferencePlanOptions& options) {
