@@ -27,7 +27,8 @@ def plan_paged_prefill(cu_seqlens_q, seq_lens, page_table, topology=None, *, dev
     seq_lens[b] counts the cached prefix plus this chunk; page_table [batch, max_pages] maps
     logical to physical pages. topology defaults to MiniMax-M3 (64 / 4 heads). On a GPU the
     plan's uploads are queued on `stream` (default: PyTorch's current stream) without waiting
-    for the device; runs on other streams wait for them on the device."""
+    for the device; runs on other streams wait for them on the device, and the plan's memory
+    goes back on `stream` once the plan is dropped, after its runs on other streams."""
     return _calls.plan_paged_prefill(_topology(topology), cu_seqlens_q, seq_lens, page_table, device=device,
                                      num_kv_splits=num_kv_splits, num_threads=num_threads, stream=stream)
 
