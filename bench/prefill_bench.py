@@ -473,8 +473,21 @@ def page_table(case, order):
     return cu, np.asarray(kv, dtype=np.int32), table
 
 
+def plan_host_ms(plan, reps):
+    """Median host wall time of `plan()` (planning queues its uploads without waiting for the
+    device, so this is the host's share of a step), every plan kept until all are made (a
+    release gives memory back, which would land in the next timing)."""
+    kept, times = [], []
+    for _ in range(max(3, reps)):
+        start = time.perf_counter()
+        kept.append(plan())
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
 def time_msa(torch, inference, case, order, pool, formats, generator, warmup, reps):
-    """{format: (step ms, indexer ms)}: plan + indexer + attention, and the indexer alone."""
+    """({format: (step ms, indexer ms)}, plan host ms): plan + indexer + attention, the indexer
+    alone, and the plan's host time."""
     cu, seq, table = page_table(case, order)
     q = (torch.randn(case.total_q, HQ, DIM, generator=generator, device=DEVICE) * 0.5).to(torch.bfloat16)
     index_q = (torch.randn(case.total_q, HI, DIM, generator=generator, device=DEVICE) * 0.5).to(torch.bfloat16)
@@ -485,6 +498,7 @@ def time_msa(torch, inference, case, order, pool, formats, generator, warmup, re
 
     result = {}
     ready = plan()
+    host_ms = plan_host_ms(plan, reps)
     indexer_ms = median_ms(torch, lambda: inference.paged_indexer(ready, index_q, pool.index_k), warmup, reps)
     for fmt in formats:
         cache = pool.caches[fmt]
@@ -500,7 +514,7 @@ def time_msa(torch, inference, case, order, pool, formats, generator, warmup, re
         result[fmt] = (median_ms(torch, step, warmup, reps, before=plans.clear), indexer_ms)
     if DEVICE == "cuda":
         torch.cuda.synchronize()
-    return result
+    return result, host_ms
 
 
 def sdpa_backends(torch):
@@ -585,15 +599,17 @@ def run(args, cases, label, long_info):
               f"max kv {case.max_kv}", file=sys.stderr, flush=True)
         order = prompt_order if long_info else \
             torch.randperm(pool_pages, generator=generator, device=DEVICE)[:case.pages].cpu().numpy()
-        msa_times = time_msa(torch, inference, case, order, pool, args.formats, generator, args.warmup, args.reps)
+        msa_times, plan_ms = time_msa(torch, inference, case, order, pool, args.formats, generator, args.warmup,
+                                      args.reps)
         dense_ms, backend = time_dense(torch, case, generator, args.warmup, args.reps)
         for fmt in args.formats:
             step_ms, indexer_ms = msa_times[fmt]
-            results.append(dict(case=case, cache=fmt, msa_ms=step_ms, indexer_ms=indexer_ms,
+            results.append(dict(case=case, cache=fmt, msa_ms=step_ms, indexer_ms=indexer_ms, plan_host_ms=plan_ms,
                                 indexer_share=indexer_ms / step_ms if step_ms > 0 else 0.0, dense_ms=dense_ms,
                                 dense_backend=backend if dense_ms is not None else None,
                                 speedup=dense_ms / step_ms if dense_ms is not None and step_ms > 0 else None))
-            print(f"[prefill_bench]   {fmt}: msa {step_ms:.3f} ms (indexer {indexer_ms:.3f}), dense "
+            print(f"[prefill_bench]   {fmt}: msa {step_ms:.3f} ms (indexer {indexer_ms:.3f}, plan on the host "
+                  f"{plan_ms:.3f}), dense "
                   f"{_ms(dense_ms)} ms ({backend})", file=sys.stderr, flush=True)
 
     total_rows = totals(results, long_prompt=bool(long_info))
@@ -626,7 +642,8 @@ def run(args, cases, label, long_info):
         "bench": "prefill_python", "device_name": device, "torch": torch.__version__, "reps": args.reps,
         "warmup": args.warmup,
         "timing": "CUDA events on the current stream, medians" if DEVICE == "cuda" else "wall clock, medians",
-        "msa_step": "plan_paged_prefill + paged_indexer + paged_attention (out bf16), msa.torch allocator",
+        "msa_step": "plan_paged_prefill + paged_indexer + paged_attention (out bf16), msa.torch allocator; "
+                    "plan_host_ms: host wall time of plan_paged_prefill alone (median)",
         "dense": "scaled_dot_product_attention per request, causal_lower_right, K/V repeat_interleave'd before "
                  "timing, fastest of the flash / cuDNN / efficient backends that take the shape",
         "results": [dict({k: v for k, v in r.items() if k != "case"}, case_id=r["case"].case_id,

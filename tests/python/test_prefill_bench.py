@@ -295,6 +295,7 @@ def test_the_whole_path_on_the_cpu(tmp_path, capsys):
         ("aaaa1111", "bf16"), ("aaaa1111", "fp8"), ("dddd3333", "bf16"), ("dddd3333", "fp8")]
     for r in data["results"]:
         assert r["msa_ms"] > 0 and 0 < r["indexer_share"] < 1
+        assert r["plan_host_ms"] > 0
         assert r["dense_ms"] is None or (r["dense_ms"] > 0 and r["speedup"] > 0)
     assert [(t["stratum"], t["cache"]) for t in data["totals"]] == [
         ("b1/t1_3/k_le_32k", "bf16"), ("b2/t1_3/k_le_32k", "bf16"), ("all", "bf16"),
