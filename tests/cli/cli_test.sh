@@ -361,12 +361,15 @@ bench_decode)
   grep -qE '^ *1 +2560 +2 +fp8 ' stdout.txt || fail "no row for 2560 tokens, Q 2, fp8"
   grep -q '^wrote decode.json$' stdout.txt || fail "no 'wrote' line"
   for key in msa_version bench device heads repeats timing bytes_convention splits_requested results batch context \
-             queries_per_request cache splits indexer attention step us bytes gb_per_s; do
+             queries_per_request cache splits pages_per_request_head rows_per_page indexer attention step us bytes \
+             gb_per_s; do
     grep -q "\"$key\":" decode.json || fail "decode.json lacks \"$key\""
   done
   [[ $(grep -c '"cache":' decode.json) == 8 && $(grep -c '"gb_per_s":' decode.json) == 24 ]] ||
     fail "decode.json: 8 records of indexer, attention and step"
   grep -q '"queries_per_request": 2' decode.json && grep -q '"cache": "fp8"' decode.json || fail "decode.json lacks Q 2 / fp8"
+  # One row a request (Q 1) selects each of its pages once.
+  [[ $(grep -c '"rows_per_page": 1.0,' decode.json) -ge 4 ]] || fail "decode.json: rows_per_page is not 1 at Q 1"
   for key in copy_bandwidth percent_of_copy device_name step_graph; do
     grep -q "\"$key\":" decode.json && fail "decode.json has the GPU-only \"$key\" on the CPU"
   done

@@ -122,6 +122,11 @@ struct DecodeRow {
   int splits = 0;  // used by the plan
   Part indexer, attention, step;
   Part graph_step;  // GPU: the step captured in a CUDA graph and replayed (no host launch costs)
+  // What the rows' selections share: distinct pages a (request, KV head) reads, and how many of
+  // its rows select each of them on average (1: disjoint selections; Q: all rows alike). A
+  // kernel that multiplies a page for a tile of rows does the more redundant work the lower
+  // the second is.
+  double pages_per_request_head = 0, rows_per_page = 0;
 };
 
 DecodeRow bench_shape(const DecodeShape& pt, const Topology& topo, Device dev, const PagePool& pool, int splits,
@@ -186,17 +191,20 @@ DecodeRow bench_shape(const DecodeShape& pt, const Topology& topo, Device dev, c
   row.indexer.bytes = double(B) * double(local + 1 > 16 ? local : 0) * kPage * kDim * 2 + double(rows) * Hi * kDim * 2 +
                       double(Hi) * rows * 16 * 4;
   const std::vector<int32_t> ids = to_host_ints(topk.view());
-  double kv_tokens = 0;
+  double kv_tokens = 0, union_pages = 0, selections = 0;
   for (int g = 0; g < Hkv; ++g)
     for (int64_t b = 0; b < B; ++b) {
       std::set<int32_t> pages;
       for (int i = 0; i < Q; ++i)
         for (int s = 0; s < 16; ++s) {
           const int32_t p = ids[size_t((int64_t(g) * rows + b * Q + i) * 16 + s)];
-          if (p >= 0) pages.insert(p);
+          if (p >= 0) pages.insert(p), selections += 1;
         }
       for (int32_t p : pages) kv_tokens += double(std::min<int64_t>(kPage, pt.context - int64_t(p) * kPage));
+      union_pages += double(pages.size());
     }
+  row.pages_per_request_head = union_pages / double(B * Hkv);
+  row.rows_per_page = union_pages > 0 ? selections / union_pages : 0.0;
   row.attention.bytes = kv_tokens * kv_token_bytes(pt.format) + double(rows) * Hq * kDim * 2 * 2 +
                         double(rows) * Hq * 4 + double(Hkv) * rows * 16 * 4;
   row.step.bytes = row.indexer.bytes + row.attention.bytes;
@@ -265,6 +273,8 @@ std::string json_text(const std::vector<DecodeRow>& rows, Device dev, const Topo
                             {"queries_per_request", r.shape.queries},
                             {"cache", format_label(r.shape.format)},
                             {"splits", r.splits},
+                            {"pages_per_request_head", r.pages_per_request_head},
+                            {"rows_per_page", r.rows_per_page},
                             {"indexer", part_json(r.indexer, copy_rate)},
                             {"attention", part_json(r.attention, copy_rate)},
                             {"step", part_json(r.step, copy_rate)}});
