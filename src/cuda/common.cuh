@@ -47,6 +47,24 @@ class DeviceGuard {
   int previous_ = -1;
 };
 
+// DeviceGuard for release paths (called from destructors): never throws; ok() is false when the
+// current device could not be read, and then nothing was switched.
+class QuietDeviceGuard {
+ public:
+  explicit QuietDeviceGuard(int device) noexcept;
+  ~QuietDeviceGuard();
+  QuietDeviceGuard(const QuietDeviceGuard&) = delete;
+  QuietDeviceGuard& operator=(const QuietDeviceGuard&) = delete;
+  bool ok() const { return previous_ >= 0; }
+
+ private:
+  int previous_ = -1;
+  int device_ = -1;
+};
+
+// Whether `s` is being captured into a CUDA graph (a checked call).
+bool capturing(cudaStream_t s);
+
 inline cudaStream_t as_stream(const RunOptions& opt) { return static_cast<cudaStream_t>(opt.stream); }
 
 // Launches `kernel` so that it may start before the previous kernel of `stream` has finished

@@ -139,9 +139,7 @@ void launch_rows(const PackedLayout& L, const void* src, void* dst, int64_t row_
 std::vector<MapRun> document_map_runs(const TensorView& map, void* stream) {
   DeviceGuard guard(map.device.index);
   const auto s = static_cast<cudaStream_t>(stream);
-  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-  MSA_CUDA_CHECK(cudaStreamIsCapturing(s, &capture));
-  if (capture != cudaStreamCaptureStatusNone)
+  if (capturing(s))
     throw Error(ErrorKind::unsupported, "PackedLayout::from_document_map: a CUDA document map is read back to the "
                                         "host, which CUDA-graph capture forbids; build the layout before capturing");
   const int32_t S = int32_t(map.shape[1]), n = int32_t(map.shape[0] * map.shape[1]);

@@ -15,12 +15,6 @@ namespace msa::cuda {
 
 namespace {
 
-bool capturing(cudaStream_t s) {
-  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
-  MSA_CUDA_CHECK(cudaStreamIsCapturing(s, &status));
-  return status != cudaStreamCaptureStatusNone;
-}
-
 cudaEvent_t new_event() {
   cudaEvent_t e = nullptr;
   MSA_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
@@ -42,9 +36,8 @@ class PlanStreams {
   // right after this (InferencePlan declares `streams` last), so `home_` first waits for the
   // latest uploads and every run not yet known to be done.
   ~PlanStreams() {
-    int previous = -1;
-    if (cudaGetDevice(&previous) != cudaSuccess) return;
-    if (previous != device_) cudaSetDevice(device_);
+    const QuietDeviceGuard guard(device_);
+    if (!guard.ok()) return;
     if (upload_stream_ != home_) cudaStreamWaitEvent(home_, upload_, 0);
     for (cudaEvent_t e : runs_) {
       cudaStreamWaitEvent(home_, e, 0);
@@ -53,7 +46,6 @@ class PlanStreams {
     for (cudaEvent_t e : spare_) cudaEventDestroy(e);
     cudaEventDestroy(upload_);
     cudaGetLastError();
-    if (previous != device_) cudaSetDevice(previous);
   }
 
   void uploaded(cudaStream_t s) {

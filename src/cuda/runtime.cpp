@@ -28,6 +28,21 @@ DeviceGuard::~DeviceGuard() {
   if (cudaGetDevice(&now) == cudaSuccess && now != previous_ && previous_ >= 0) cudaSetDevice(previous_);
 }
 
+QuietDeviceGuard::QuietDeviceGuard(int device) noexcept : device_(device) {
+  if (cudaGetDevice(&previous_) != cudaSuccess) previous_ = -1;
+  else if (previous_ != device_) cudaSetDevice(device_);
+}
+
+QuietDeviceGuard::~QuietDeviceGuard() {
+  if (ok() && previous_ != device_) cudaSetDevice(previous_);
+}
+
+bool capturing(cudaStream_t s) {
+  cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+  MSA_CUDA_CHECK(cudaStreamIsCapturing(s, &status));
+  return status != cudaStreamCaptureStatusNone;
+}
+
 int sm_count() {
   static std::mutex mutex;
   static std::vector<int> counts;
@@ -75,11 +90,8 @@ void* allocate(int64_t bytes, int device) {
 void release(void* ptr, int device) {
   // Called from destructors: never throws. cudaFree waits for the device, so memory still
   // in use by queued work is not reused early.
-  int previous = -1;
-  if (cudaGetDevice(&previous) != cudaSuccess) return;
-  if (previous != device) cudaSetDevice(device);
-  cudaFree(ptr);
-  if (previous != device) cudaSetDevice(previous);
+  const QuietDeviceGuard guard(device);
+  if (guard.ok()) cudaFree(ptr);
 }
 
 void* allocate_async(int64_t bytes, int device, void* stream) {
@@ -97,11 +109,8 @@ void* allocate_async(int64_t bytes, int device, void* stream) {
 
 void release_async(void* ptr, int device, void* stream) {
   // Called from destructors: never throws.
-  int previous = -1;
-  if (cudaGetDevice(&previous) != cudaSuccess) return;
-  if (previous != device) cudaSetDevice(device);
-  if (cudaFreeAsync(ptr, static_cast<cudaStream_t>(stream)) != cudaSuccess) cudaGetLastError();
-  if (previous != device) cudaSetDevice(previous);
+  const QuietDeviceGuard guard(device);
+  if (guard.ok() && cudaFreeAsync(ptr, static_cast<cudaStream_t>(stream)) != cudaSuccess) cudaGetLastError();
 }
 
 void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device, int64_t bytes, void* stream) {
@@ -115,11 +124,7 @@ void copy_bytes(void* dst, Device dst_device, const void* src, Device src_device
     MSA_CUDA_CHECK(cudaMemcpyAsync(dst, src, size_t(bytes), cudaMemcpyDefault, s));
   }
   // A copy into host memory is complete when the call returns (the caller reads it next).
-  if (!dst_device.is_cuda()) {
-    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    MSA_CUDA_CHECK(cudaStreamIsCapturing(s, &capture));
-    if (capture == cudaStreamCaptureStatusNone) MSA_CUDA_CHECK(cudaStreamSynchronize(s));
-  }
+  if (!dst_device.is_cuda() && !capturing(s)) MSA_CUDA_CHECK(cudaStreamSynchronize(s));
 }
 
 void memset_zero(void* dst, int device, int64_t bytes, void* stream) {

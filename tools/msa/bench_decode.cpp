@@ -198,7 +198,9 @@ DecodeRow bench_shape(const DecodeShape& pt, const Topology& topo, Device dev, c
       for (int i = 0; i < Q; ++i)
         for (int s = 0; s < 16; ++s) {
           const int32_t p = ids[size_t((int64_t(g) * rows + b * Q + i) * 16 + s)];
-          if (p >= 0) pages.insert(p), selections += 1;
+          if (p < 0) continue;
+          pages.insert(p);
+          selections += 1;
         }
       for (int32_t p : pages) kv_tokens += double(std::min<int64_t>(kPage, pt.context - int64_t(p) * kPage));
       union_pages += double(pages.size());
