@@ -25,6 +25,7 @@ using model::kTopk;
 inline constexpr int kMaxTileRows = detail::kDecodeTileRows;  // query rows of a CTA
 inline constexpr int kMaxEntries = kMaxTileRows * kTopk;      // (row, slot) selections of a CTA
 inline constexpr int kEntryWarps = kMaxEntries / 32;          // warps that hold the entries
+inline constexpr int kTablePages = 1024;  // page-table entries a CTA preloads (a 128k context's)
 
 struct AttnArgs {
   const __nv_bfloat16* q;
@@ -73,10 +74,35 @@ struct SplitPages {
   uint32_t page_rows[kMaxEntries];     // bit i: tile row i selected the page
 };
 
+// The page-table row of a tile's request in shared memory (preload_page_table).
+struct TableRow {
+  int32_t physical[kTablePages];  // the row's first `pages` entries
+  int32_t request;                // -1: none preloaded
+  int32_t pages;
+};
+
+// Optional step 0, before the selection exists (the page table is the plan's, not a kernel's
+// output, so this may run before griddep_wait): the page-table row of the tile's request into
+// shared memory, so that the page lookups after the selection cost no global round trip.
+// Tiles of rows of two requests (Q > 8, odd) and pages past kTablePages look up globally.
+// Every thread calls it; the first barrier of collect_pages publishes it.
+__device__ __forceinline__ void preload_page_table(const AttnArgs& a, TableRow& table, int64_t r0, int nrows) {
+  const int32_t request = a.request[r0];
+  const bool one = a.request[r0 + nrows - 1] == request;
+  const int n = one ? int(min64(a.kv.max_pages, kTablePages)) : 0;
+  const int32_t* row = a.kv.page_table + int64_t(request) * a.kv.max_pages;
+  for (int i = threadIdx.x; i < n; i += blockDim.x) table.physical[i] = row[i];
+  if (threadIdx.x == 0) {
+    table.request = one ? request : -1;
+    table.pages = n;
+  }
+}
+
 // Step 1 of both kernels: the union of the tile's selections and this split's share of it.
 // Every thread of the CTA calls it (it holds two CTA barriers; threads 0 .. 127 hold the
-// entries). Returns the split's page count.
-__device__ __forceinline__ int collect_pages(const AttnArgs& a, SplitPages& ctl, int64_t r0, int nrows, int g, int split) {
+// entries). `table`: preload_page_table's, when it ran before. Returns the split's page count.
+__device__ __forceinline__ int collect_pages(const AttnArgs& a, SplitPages& ctl, int64_t r0, int nrows, int g, int split,
+                                             const TableRow* table = nullptr) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int entries = nrows * kTopk;
   int2 key = make_int2(-1, -1);
@@ -120,7 +146,9 @@ __device__ __forceinline__ int collect_pages(const AttnArgs& a, SplitPages& ctl,
   const int u0 = int(int64_t(split) * unique / a.splits), u1 = int(int64_t(split + 1) * unique / a.splits);
   if (first && before >= u0 && before < u1) {
     const int u = before - u0;
-    ctl.page_physical[u] = a.kv.page_table[int64_t(key.x) * a.kv.max_pages + key.y];
+    ctl.page_physical[u] = table && key.x == table->request && key.y < table->pages
+                               ? table->physical[key.y]
+                               : a.kv.page_table[int64_t(key.x) * a.kv.max_pages + key.y];
     ctl.page_logical[u] = key.y;
     ctl.page_tokens[u] = tokens;
     ctl.page_rows[u] = rows;

@@ -48,6 +48,7 @@ constexpr int kBoxBytes = kSideBytes / 2;             // one bf16 TMA box: 64 co
 constexpr int kFp8SideBytes = kPageSize * kHeadDim;   // one FP8 side: one box of 16 KB
 constexpr int kSharedLimit = 227 * 1024;
 static_assert(kRowsPerWarpgroup * kGroupSize == 64, "a warpgroup's wgmma rows are 4 query rows x 16 heads");
+constexpr int32_t kNoRow = INT32_MIN;                 // row_position of a CTA row past the tile's
 
 // The CTA's shape by its consumer warpgroups (1: tiles of <= 4 rows, 2: of <= 8) and the
 // cache format: as many ring slots as shared memory holds; the producers are one warpgroup
@@ -107,6 +108,7 @@ struct DecodeStorage {
   QueryTile q[Consumers];
   RawSide raw[Shape::kQuantised ? Shape::kRawSlots : 0];
   SplitPages pages;
+  TableRow table;
   float token_scale[Shape::kSlots][kPageSize];  // per-token scale of the side's keys (1 without; 0 past the read)
   uint64_t raw_full[Shape::kRawSlots];
   uint64_t raw_free[Shape::kRawSlots];
@@ -114,7 +116,7 @@ struct DecodeStorage {
   uint64_t ready[Shape::kSlots];
   uint64_t empty[Shape::kSlots];
   uint32_t nonfinite[Shape::kSlots][Shape::kScanWarps];  // V side: per scanner warp, a row some tile row reads holds inf / NaN
-  int32_t row_position[kMaxTileRows];
+  int32_t row_position[kMaxTileRows];  // kNoRow past the tile's rows
   int32_t last_split;  // splits > 1: this CTA is the (tile, KV head)'s last to finish
 };
 
@@ -155,6 +157,54 @@ __device__ __forceinline__ void issue_sides(DecodeStorage<Consumers, F>& sm, uin
                     phys, full, policy);
     }
   }
+}
+
+// Whether page u's V side must be checked for inf / NaN: some row of a warpgroup that
+// multiplies the page (warpgroup-wide products) gets P = 0 on keys below `read` (it did not
+// select the page, or sees fewer of its keys than the row that sees most), and 0 * inf is NaN.
+// Rows past the tile's have no output. Q = 1 never needs it; nor do rows that select alike.
+template <int Consumers, KvFormat F>
+__device__ __forceinline__ bool values_need_check(const DecodeStorage<Consumers, F>& sm, int u) {
+  const uint32_t selected = sm.pages.page_rows[u];
+  const int read = sm.pages.page_tokens[u], logical = sm.pages.page_logical[u];
+#pragma unroll
+  for (int wg = 0; wg < Consumers; ++wg) {
+    if (((selected >> (kRowsPerWarpgroup * wg)) & 0xfu) == 0) continue;  // the warpgroup skips the page
+#pragma unroll
+    for (int r = kRowsPerWarpgroup * wg; r < kRowsPerWarpgroup * (wg + 1); ++r) {
+      const int32_t pos = sm.row_position[r];
+      if (pos == kNoRow) continue;  // past the tile's rows (a row of the tile without keys selects nothing)
+      if (((selected >> r) & 1u) == 0 || visible_keys(pos, logical) < read) return true;
+    }
+  }
+  return false;
+}
+
+// A bf16 V side in the ring (`side`, swizzled): rows from `read` on zeroed (cache slots no row
+// reads: garbage, and P = 0 there), rows below checked for inf / NaN when `check`. Scanner `st`
+// of kScan takes 16-byte chunks st, st + kScan, ..; loads go in batches before their tests
+// (each volatile load would otherwise pay its latency alone). Returns the nonfinite signs.
+template <int kScan>
+__device__ __forceinline__ uint32_t scan_bf16_values(uint32_t side, int st, int read, bool check) {
+  constexpr int kChunks = kSideBytes / 16, kBatch = 4;
+  uint32_t bad = 0;
+  for (int i0 = (check ? 0 : read * 16) + st; i0 < kChunks; i0 += kScan * kBatch) {
+    uint4 v[kBatch];
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int i = i0 + b * kScan, t = i >> 4;
+      v[b] = i < kChunks && t < read ? ld_shared_v4(side + tile_offset(kPageSize, t, i & 15)) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int b = 0; b < kBatch; ++b) {
+      const int i = i0 + b * kScan, t = i >> 4;
+      if (i >= kChunks) break;
+      if (t >= read) st_shared_v4_zero(side + tile_offset(kPageSize, t, i & 15));
+      else bad |= nonfinite_bf16x2_signs(v[b].x) | nonfinite_bf16x2_signs(v[b].y) | nonfinite_bf16x2_signs(v[b].z) |
+                  nonfinite_bf16x2_signs(v[b].w);
+    }
+  }
+  return bad;
 }
 
 // The scanners (producer warps 1, 2, ..): each side ready for a product that every row of a
@@ -199,18 +249,9 @@ __device__ __forceinline__ void scan_sides(const AttnArgs& a, DecodeStorage<Cons
       mbar_arrive(smem_addr(&sm.raw_free[r]));
     } else {
       mbar_wait(smem_addr(&sm.full[slot]), (j / S) & 1);
-      if (j & 1)
-        for (int i = st; i < kSideBytes / 16; i += kScan) {
-          const int t = i >> 4;
-          const uint32_t addr = side + tile_offset(kPageSize, t, i & 15);
-          if (t >= read) {
-            st_shared_v4_zero(addr);
-          } else {
-            const uint4 v = ld_shared_v4(addr);
-            bad |= nonfinite_bf16x2_signs(v.x) | nonfinite_bf16x2_signs(v.y) | nonfinite_bf16x2_signs(v.z) |
-                   nonfinite_bf16x2_signs(v.w);
-          }
-        }
+      // A bf16 V side: its rows past `read` zeroed, the rows below checked only when a row
+      // that multiplies the side gets P = 0 on keys that another row reads.
+      if (j & 1) bad = scan_bf16_values<kScan>(side, st, read, values_need_check<Consumers>(sm, j / 2));
     }
 #pragma unroll
     for (int i = 0; i < kKeysPerThread; ++i) {
@@ -306,14 +347,20 @@ __device__ __forceinline__ void softmax_step(RowState& st, float (&s)[16][4], ui
 
 // 5. Splits > 1: the last of the (tile, KV head)'s split CTAs to finish merges their partials
 // into the outputs, and resets the count for the next step. The fence / atomic pair is the
-// usual last-block pattern: every partial is visible to it. The merge is merge_row's
-// (merge_row.cuh) arithmetic, spread over all consumer threads: first each (row, head)'s
-// weights, then its outputs, 4 dims an item, several items' loads in flight together.
+// usual last-block pattern: every partial is visible to it. The partials come into the drained
+// ring by cp.async, every split's share of a pass of (row, head) pairs in flight at once (one
+// round trip a pass, not one per split: the merge ends the step, so its latency is the step's);
+// the arithmetic is merge_row's (merge_row.cuh), spread over the consumer threads.
 template <int Consumers, KvFormat F>
 __device__ __forceinline__ void merge_if_last(const AttnArgs& a, DecodeStorage<Consumers, F>& sm, int64_t r0, int nrows,
                                               int g, int ct) {
-  constexpr int kThreads = 32 * DecodeShape<Consumers, F>::kConsumerWarps;
+  using Shape = DecodeShape<Consumers, F>;
+  constexpr int kThreads = 32 * Shape::kConsumerWarps;
   constexpr int kMaxSplits = 16, kPairs = kMaxTileRows * kGroupSize, kChunks = kHeadDim / 4;  // chunk: 4 dims
+  // The ring as floats: lse [split][pair], weight [pair][split] (NaN: not merged), 1 / sum
+  // [pair], then the pass's partials [split][pair of the pass][dim].
+  constexpr int kRingFloats = Shape::kSlots * kSideBytes / 4, kHeader = 2 * kMaxSplits * kPairs + kPairs;
+  static_assert(kRingFloats - kHeader >= kMaxSplits * kHeadDim, "merge: the ring holds a pair of every split");
   __threadfence();
   sync_barrier(DecodeBarrier::kConsumers, kThreads);
   if (ct == 0) {
@@ -325,72 +372,74 @@ __device__ __forceinline__ void merge_if_last(const AttnArgs& a, DecodeStorage<C
   sync_barrier(DecodeBarrier::kConsumers, kThreads);
   if (!sm.last_split) return;
   __threadfence();
-  // The ring is drained: its first slot holds the weights.
-  float* weight = reinterpret_cast<float*>(&sm.slot[0]);  // [pair][split]; NaN: an empty partial (not read)
-  float* inverse = weight + kPairs * kMaxSplits;          // [pair]: 1 / sum, 0 when the merged state is not valid
-  float* valid = inverse + kPairs;                        // [pair]: 1 when it is valid
+  float* lse = reinterpret_cast<float*>(&sm.slot[0]);
+  float* weight = lse + kMaxSplits * kPairs;
+  float* inverse = weight + kPairs * kMaxSplits;
+  float* part = lse + kHeader;
   const int64_t RH = a.total_q * a.hq;
   const int S = a.splits, pairs = nrows * kGroupSize;
+  const int pass_pairs = min(pairs, (kRingFloats - kHeader) / (S * kHeadDim));
   auto pair_rh = [&](int pair) { return (r0 + pair / kGroupSize) * a.hq + g * kGroupSize + pair % kGroupSize; };
+  // Pairs p0 .. p0 + n of every split into `part` (16-byte pieces; a pair's 128 dims are 32).
+  auto fetch = [&](int p0, int n) {
+    for (int i = ct; i < S * n * kChunks; i += kThreads) {
+      const int s = i / (n * kChunks), rest = i % (n * kChunks), pp = rest / kChunks, c = rest % kChunks;
+      cp_async16(smem_addr(part + (s * n + pp) * kHeadDim + 4 * c),
+                 a.part_out + (s * RH + pair_rh(p0 + pp)) * kHeadDim + 4 * c, 16);
+    }
+  };
+  // A row's 16 heads of LSE are 64 contiguous bytes a split.
+  for (int i = ct; i < S * nrows * 4; i += kThreads) {
+    const int s = i / (nrows * 4), row = (i / 4) % nrows, c = i % 4;
+    cp_async16(smem_addr(lse + s * kPairs + row * kGroupSize + 4 * c), a.part_lse + s * RH + pair_rh(row * kGroupSize) + 4 * c,
+               16);
+  }
+  fetch(0, pass_pairs);
+  cp_async_commit();
+  cp_async_wait<0>();
+  sync_barrier(DecodeBarrier::kConsumers, kThreads);
   for (int pair = ct; pair < pairs; pair += kThreads) {
-    const int64_t rh = pair_rh(pair);
-    float l[kMaxSplits];
-#pragma unroll
-    for (int s = 0; s < kMaxSplits; ++s) l[s] = s < S ? __ldcg(a.part_lse + s * RH + rh) : 0.0f;
     SoftmaxState row = SoftmaxState::empty();
-#pragma unroll
-    for (int s = 0; s < kMaxSplits; ++s)
-      if (s < S) row.m = state_math::max(row.m, SoftmaxState::from_lse(l[s]).m);
-#pragma unroll
-    for (int s = 0; s < kMaxSplits; ++s)
-      if (s < S) {
-        const SoftmaxState part = SoftmaxState::from_lse(l[s]);
-        const float w = row.add_at_max(part);
-        weight[pair * kMaxSplits + s] = part.m > -INFINITY ? w : NAN;
-      }
+    for (int s = 0; s < S; ++s) row.m = state_math::max(row.m, SoftmaxState::from_lse(lse[s * kPairs + pair]).m);
+    for (int s = 0; s < S; ++s) {
+      const SoftmaxState part_state = SoftmaxState::from_lse(lse[s * kPairs + pair]);
+      const float w = row.add_at_max(part_state);
+      weight[pair * kMaxSplits + s] = part_state.m > -INFINITY ? w : NAN;
+    }
+    if (!row.valid())
+      for (int s = 0; s < S; ++s) weight[pair * kMaxSplits + s] = NAN;
     inverse[pair] = row.inverse_sum();
-    valid[pair] = row.valid() ? 1.0f : 0.0f;
-    a.lse[rh] = row.lse();
+    a.lse[pair_rh(pair)] = row.lse();
   }
   sync_barrier(DecodeBarrier::kConsumers, kThreads);
-  // Item k of this thread: (pair, 4 dims) number ct + k * kThreads; each split's loads of 8
-  // items are in flight together.
-  constexpr int kItems = 4 * Consumers * kGroupSize * kChunks / kThreads, kBatch = 8;
-  static_assert(kItems % kBatch == 0, "merge items per thread");
-#pragma unroll 1
-  for (int k0 = 0; k0 < kItems; k0 += kBatch) {
-    float acc[kBatch][4];
-#pragma unroll
-    for (int k = 0; k < kBatch; ++k) acc[k][0] = acc[k][1] = acc[k][2] = acc[k][3] = 0.0f;
-    for (int s = 0; s < S; ++s) {
-      float w[kBatch];
-      float4 v[kBatch];
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k) {
-        const int it = ct + (k0 + k) * kThreads, pair = it / kChunks;
-        w[k] = pair < pairs && valid[pair] != 0.0f ? weight[pair * kMaxSplits + s] : NAN;
-        v[k] = !isnan(w[k]) ? __ldcg(reinterpret_cast<const float4*>(a.part_out + (s * RH + pair_rh(pair)) * kHeadDim +
-                                                                      4 * (it % kChunks)))
-                            : make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-#pragma unroll
-      for (int k = 0; k < kBatch; ++k)
-        if (!isnan(w[k])) acc[k][0] += w[k] * v[k].x, acc[k][1] += w[k] * v[k].y, acc[k][2] += w[k] * v[k].z, acc[k][3] += w[k] * v[k].w;
+  for (int p0 = 0; p0 < pairs; p0 += pass_pairs) {
+    const int n = min(pass_pairs, pairs - p0);
+    if (p0 > 0) {
+      fetch(p0, n);
+      cp_async_commit();
+      cp_async_wait<0>();
+      sync_barrier(DecodeBarrier::kConsumers, kThreads);
     }
-#pragma unroll
-    for (int k = 0; k < kBatch; ++k) {
-      const int it = ct + (k0 + k) * kThreads, pair = it / kChunks, d = 4 * (it % kChunks);
-      if (pair >= pairs) continue;
+    for (int it = ct; it < n * kChunks; it += kThreads) {
+      const int pp = it / kChunks, pair = p0 + pp, d = 4 * (it % kChunks);
+      float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+      for (int s = 0; s < S; ++s) {
+        const float w = weight[pair * kMaxSplits + s];
+        if (isnan(w)) continue;  // an empty partial: its values are not read
+        const float4 v = *reinterpret_cast<const float4*>(part + (s * n + pp) * kHeadDim + d);
+        acc.x += w * v.x, acc.y += w * v.y, acc.z += w * v.z, acc.w += w * v.w;
+      }
       const int64_t rh = pair_rh(pair);
       const float inv = inverse[pair];
       if (a.out_f32) {
         *reinterpret_cast<float4*>(static_cast<float*>(a.out) + rh * kHeadDim + d) =
-            make_float4(acc[k][0] * inv, acc[k][1] * inv, acc[k][2] * inv, acc[k][3] * inv);
+            make_float4(acc.x * inv, acc.y * inv, acc.z * inv, acc.w * inv);
       } else {
         *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(a.out) + rh * kHeadDim + d) =
-            make_uint2(pack_bf16(acc[k][0] * inv, acc[k][1] * inv), pack_bf16(acc[k][2] * inv, acc[k][3] * inv));
+            make_uint2(pack_bf16(acc.x * inv, acc.y * inv), pack_bf16(acc.z * inv, acc.w * inv));
       }
     }
+    sync_barrier(DecodeBarrier::kConsumers, kThreads);  // the next pass overwrites `part`
   }
 }
 
@@ -509,6 +558,20 @@ __device__ __forceinline__ void consume_pages(const AttnArgs& a, DecodeStorage<C
   if (a.splits > 1) merge_if_last(a, sm, r0, nrows, g, 32 * (4 * wg + w) + lane);
 }
 
+// Consumer warpgroup wg's query tile (thread wt of its 128): M-row m = 16 (row in the
+// warpgroup) + head, rows past the tile's zeros; cp.async, committed, not waited for.
+__device__ __forceinline__ void load_query_tile(const AttnArgs& a, uint32_t q_tile, int64_t r0, int nrows, int g, int wg,
+                                                int wt) {
+  for (int i = wt; i < 64 * (kHeadDim * 2 / 16); i += 128) {
+    const int m = i >> 4, c = i & 15;
+    const int row = kRowsPerWarpgroup * wg + m / kGroupSize, h = m % kGroupSize;
+    const bool ok = row < nrows;
+    const __nv_bfloat16* src = a.q + (ok ? (r0 + row) * a.q_s0 + int64_t(g * kGroupSize + h) * a.q_s1 + c * 8 : 0);
+    cp_async16(q_tile + tile_offset(64, m, c), src, ok ? 16 : 0);
+  }
+  cp_async_commit();
+}
+
 template <int Consumers, KvFormat F, bool PerToken>
 __global__ void __launch_bounds__(DecodeShape<Consumers, F>::kThreads, 1)
     paged_decode_wgmma_kernel(const AttnArgs a, const __grid_constant__ CUtensorMap k_map,
@@ -535,9 +598,15 @@ __global__ void __launch_bounds__(DecodeShape<Consumers, F>::kThreads, 1)
       mbar_init(smem_addr(&sm.raw_free[i]), Shape::kScanThreads);
     }
   }
-  if (tid < kMaxTileRows) sm.row_position[tid] = tid < nrows ? a.positions[r0 + tid] : -1;
-  griddep_wait();  // the selection (the previous kernel when it is the indexer's)
-  const int pages = collect_pages(a, sm.pages, r0, nrows, g, split);
+  if (tid < kMaxTileRows) sm.row_position[tid] = tid < nrows ? a.positions[r0 + tid] : kNoRow;
+  preload_page_table(a, sm.table, r0, nrows);
+  griddep_wait();  // the selection (the previous kernel when it is the indexer's) and the inputs
+  // The consumers' query tiles are requested first: behind the pages' TMA burst they would
+  // wait for it (microseconds at small batches).
+  const int wg = warp / 4, wt = tid % 128;
+  const uint32_t q_tile = base + uint32_t(offsetof(Storage, q)) + uint32_t(wg * sizeof(QueryTile));
+  if (warp < Shape::kConsumerWarps) load_query_tile(a, q_tile, r0, nrows, g, wg, wt);
+  const int pages = collect_pages(a, sm.pages, r0, nrows, g, split, &sm.table);
   __syncthreads();  // the page list
   const int items = 2 * pages;
 
@@ -550,22 +619,12 @@ __global__ void __launch_bounds__(DecodeShape<Consumers, F>::kThreads, 1)
   }
   if constexpr (Shape::kRebalance) setmaxnreg_inc<Shape::kConsumerRegs>();
 
-  // 3. The consumer warpgroup's query tile (rows past the tile's: zeros), then its pages.
-  const int wg = warp / 4, w = warp % 4, wt = tid % 128;
-  const uint32_t q_tile = base + uint32_t(offsetof(Storage, q)) + uint32_t(wg * sizeof(QueryTile));
-  for (int i = wt; i < 64 * (kHeadDim * 2 / 16); i += 128) {
-    const int m = i >> 4, c = i & 15;  // M-row m = 16 (row in warpgroup) + head
-    const int row = kRowsPerWarpgroup * wg + m / kGroupSize, h = m % kGroupSize;
-    const bool ok = row < nrows;
-    const __nv_bfloat16* src = a.q + (ok ? (r0 + row) * a.q_s0 + int64_t(g * kGroupSize + h) * a.q_s1 + c * 8 : 0);
-    cp_async16(q_tile + tile_offset(64, m, c), src, ok ? 16 : 0);
-  }
-  cp_async_commit();
+  // 3. The consumer warpgroup's query tile landed, then its pages.
   cp_async_wait<0>();
   fence_proxy_async();
   sync_barrier(wg == 0 ? DecodeBarrier::kWarpgroup0 : DecodeBarrier::kWarpgroup1, 128);
   consume_pages<Consumers, F, PerToken>(a, sm, base + uint32_t(offsetof(Storage, slot)), q_tile, pages, r0, nrows, g,
-                                        split, wg, w, lane);
+                                        split, wg, warp % 4, lane);
 }
 
 template <int Consumers, KvFormat F, bool PerToken>

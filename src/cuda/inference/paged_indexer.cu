@@ -124,14 +124,24 @@ __device__ __forceinline__ uint4 load_q_chunk_f16(const ScoreArgs& a, int64_t ro
 
 // Writes the index-q vectors of rows first_row.. (vector v = row v / hi, head v % hi; nv of
 // them, zeros after) into a [kVectors, 128] bf16 tile; threads [0, NT) take part.
+// A thread's loads all go out before its stores: the stores are volatile, so a load behind one
+// would wait for it (a round trip per chunk instead of one for the tile).
 template <int kVectors, int NT, bool QFp8>
 __device__ __forceinline__ void store_q_tile(const ScoreArgs& a, uint32_t q_tile, int64_t first_row, int nv) {
-  for (int i = threadIdx.x; i < kVectors * kBf16RowChunks; i += NT) {
-    const int vec = i / kBf16RowChunks, chunk = i % kBf16RowChunks;
-    uint4 val = make_uint4(0, 0, 0, 0);
-    if (vec < nv) load_q_chunk<QFp8>(a, first_row + vec / a.hi, vec % a.hi, chunk, val);
-    const uint32_t d = q_tile + tile_offset(kVectors, vec, chunk);
-    st_shared_v4(d, val.x, val.y, val.z, val.w);
+  constexpr int kTotal = kVectors * kBf16RowChunks, kItems = (kTotal + NT - 1) / NT;
+  uint4 val[kItems];
+#pragma unroll
+  for (int k = 0; k < kItems; ++k) {
+    const int i = int(threadIdx.x) + k * NT, vec = i / kBf16RowChunks;
+    val[k] = make_uint4(0, 0, 0, 0);
+    if (i < kTotal && vec < nv) load_q_chunk<QFp8>(a, first_row + vec / a.hi, vec % a.hi, i % kBf16RowChunks, val[k]);
+  }
+#pragma unroll
+  for (int k = 0; k < kItems; ++k) {
+    const int i = int(threadIdx.x) + k * NT;
+    if (i < kTotal)
+      st_shared_v4(q_tile + tile_offset(kVectors, i / kBf16RowChunks, i % kBf16RowChunks), val[k].x, val[k].y, val[k].z,
+                   val[k].w);
   }
 }
 
@@ -329,20 +339,28 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
     mbar_init(full0 + 8 * threadIdx.x, 1);
     mbar_init(empty0 + 8 * threadIdx.x, 1);
   }
+  // The producer's lanes look up the run's physical pages 32 at a time (lane i: page n0 + i); the
+  // first batch is in flight while the query tile loads.
+  const bool producer = warp == kStreamConsumers;
+  int32_t phys_batch = producer && lane < count ? table[page_begin + lane] : 0;
   store_q_tile<kVectors, kStreamThreads, QFp8>(a, q_tile, tile_begin, nv);
   __syncthreads();
 
-  if (warp == kStreamConsumers) {  // producer
-    if (lane == 0) {
-      const uint64_t policy = l2_evict_first();
-      for (int n = 0; n < count; ++n) {
-        const int s = n % kStreamStages;
-        if (n >= kStreamStages) mbar_wait(empty0 + 8 * s, (n / kStreamStages - 1) & 1);
-        const uint32_t full = full0 + 8 * s, dst = stage0 + uint32_t(s * int(sizeof(Bf16Tile<kPageSize>)));
-        mbar_arrive_expect_tx(full, uint32_t(sizeof(Bf16Tile<kPageSize>)));
-        const int32_t phys = table[page_begin + n];
-        tma_load_4d(dst, &k_map, 0, 0, 0, phys, full, policy);
-        tma_load_4d(dst + kPageSize * 128, &k_map, 64, 0, 0, phys, full, policy);
+  if (producer) {
+    const uint64_t policy = l2_evict_first();
+    for (int n0 = 0; n0 < count; n0 += 32) {
+      if (n0 > 0) phys_batch = n0 + lane < count ? table[page_begin + n0 + lane] : 0;
+      for (int n = n0; n < min(n0 + 32, count); ++n) {
+        const int32_t phys = __shfl_sync(0xffffffffu, phys_batch, n - n0);
+        if (lane == 0) {
+          const int s = n % kStreamStages;
+          if (n >= kStreamStages) mbar_wait(empty0 + 8 * s, (n / kStreamStages - 1) & 1);
+          const uint32_t full = full0 + 8 * s, dst = stage0 + uint32_t(s * int(sizeof(Bf16Tile<kPageSize>)));
+          mbar_arrive_expect_tx(full, uint32_t(sizeof(Bf16Tile<kPageSize>)));
+          tma_load_4d(dst, &k_map, 0, 0, 0, phys, full, policy);
+          tma_load_4d(dst + kPageSize * 128, &k_map, 64, 0, 0, phys, full, policy);
+        }
+        __syncwarp();
       }
     }
     return;
@@ -729,13 +747,15 @@ __device__ __forceinline__ int select_history(const float* score, int64_t begin,
 }
 
 __global__ void __launch_bounds__(kThreads) select_kernel(const SelectArgs a) {
-  griddep_wait();  // the page scores (launched programmatically after the score kernel)
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t item = int64_t(blockIdx.x) * (kThreads / 32) + warp;
-  if (item >= (a.row_end - a.row_begin) * a.hi) return;
+  const bool in_range = item < (a.row_end - a.row_begin) * a.hi;
   const int64_t row = a.row_begin + item / a.hi;
+  // The plan's positions are not a kernel's output: read while the score kernel finishes.
+  const int32_t pos = in_range ? a.positions[row] : -1;
+  griddep_wait();  // the page scores (launched programmatically after the score kernel)
+  if (!in_range) return;
   const int g = int(item % a.hi);
-  const int32_t pos = a.positions[row];
   const int64_t nvis = pos < 0 ? 0 : pos / kPageSize + 1;
   int32_t* out = a.out + (int64_t(g) * a.total_q + row) * a.topk;
   int n = 0;
