@@ -22,6 +22,7 @@ enum class DecodeBarrier : int {
   kWarpgroup0 = 1,  // consumer warpgroup 0 (128 threads): its query tile has landed
   kWarpgroup1 = 2,  // consumer warpgroup 1 (kWarpgroup0 + wg)
   kConsumers = 3,   // every consumer thread, around the split CTAs' arrival count
+  kScanners = 4,    // the scanner warps, around their per-page flags
 };
 
 // select_blocks_kernel (select_blocks.cu): four consumer warpgroups and a producer warpgroup.
