@@ -108,7 +108,7 @@ usage_errors)
   expect 2 "msa bench: error: --queries applies to the decode bench" "$msa" bench --queries 4 --tokens 128
   expect 2 "msa bench: error: --splits applies to the decode bench" "$msa" bench --splits 2 --tokens 128
   expect 2 "msa bench: error: --tokens applies to the training bench only" "$msa" bench --decode --tokens 4096
-  expect 2 "msa bench: error: --selection applies to the training bench only" "$msa" bench --decode --selection coherent
+  expect 2 "msa bench: error: --selection: alike not in" "$msa" bench --decode --selection alike
   expect 2 "msa bench: error: --json: .*no/such/dir" "$msa" bench --decode --backend cpu --json no/such/dir/d.json
   expect 2 "msa inspect: error: .*absent.safetensors: no such file" "$msa" inspect absent.safetensors
   if "$msa" --version | grep -q '(CPU backend)'; then
@@ -350,18 +350,18 @@ bench_files)
 bench_decode)
   # The decode bench at tiny shapes on the CPU: one table row and one JSON record per (batch,
   # context, Q, format); the copy-bandwidth shares and the CUDA-graph step are GPU only ('-' in
-  # the table, absent from the JSON).
+  # the table, absent from the JSON). Selections are independent unless --selection says.
   expect 0 '' "$msa" bench --decode --backend cpu --tp 4 --batches 1 --contexts 512,2560 --queries 1,2 \
     --formats bf16,fp8 --reps 1 --json decode.json
-  header='^ *batch +context +Q +cache +splits +indexer +indexer GB/s +indexer % copy +attention +attention GB/s +attention % copy +step +step GB/s +step % copy +graph step +graph % copy$'
+  header='^ *batch +context +Q +cache +selection +splits +indexer +indexer GB/s +indexer % copy +attention +attention GB/s +attention % copy +step +step GB/s +step % copy +graph step +graph % copy$'
   grep -qE "$header" stdout.txt || fail "the table header is not /$header/"
   t='[0-9.]+ (us|ms|s)'
-  row="^ *1 +(512|2560) +[12] +(bf16|fp8) +1 +$t +[0-9.]+ +- +$t +[0-9.]+ +- +$t +[0-9.]+ +- +- +-$"
+  row="^ *1 +(512|2560) +[12] +(bf16|fp8) +independent +1 +$t +[0-9.]+ +- +$t +[0-9.]+ +- +$t +[0-9.]+ +- +- +-$"
   [[ $(grep -cE "$row" stdout.txt) == 8 ]] || fail "the table lacks its 8 rows /$row/"
-  grep -qE '^ *1 +2560 +2 +fp8 ' stdout.txt || fail "no row for 2560 tokens, Q 2, fp8"
+  grep -qE '^ *1 +2560 +2 +fp8 +independent ' stdout.txt || fail "no row for 2560 tokens, Q 2, fp8"
   grep -q '^wrote decode.json$' stdout.txt || fail "no 'wrote' line"
   for key in msa_version bench device heads repeats timing bytes_convention splits_requested results batch context \
-             queries_per_request cache splits pages_per_request_head rows_per_page indexer attention step us bytes \
+             queries_per_request cache selection splits pages_per_request_head rows_per_page indexer attention step us bytes \
              gb_per_s; do
     grep -q "\"$key\":" decode.json || fail "decode.json lacks \"$key\""
   done
@@ -376,8 +376,21 @@ bench_decode)
   ls | grep -q '\.tmp$' && fail "a temporary file was left behind"
   # NVFP4 caches and a given split count.
   expect 0 '' "$msa" bench --decode --backend cpu --tp 4 --batches 2 --contexts 3k --queries 4 --formats nvfp4 --splits 2 --reps 1
-  grep -qE "^ *2 +3k +4 +nvfp4 +2 +$t " stdout.txt || fail "no nvfp4 row with 2 splits"
+  grep -qE "^ *2 +3k +4 +nvfp4 +independent +2 +$t " stdout.txt || fail "no nvfp4 row with 2 splits"
   grep -q 'splits: --splits 2' stdout.txt || fail "the note does not name --splits"
+  # Both selections: the rows of a request select alike when they share their index query (at
+  # 16k tokens each row ranks 127 history pages for 15 slots, so independent rows differ); Q 1
+  # has one selection, so it is timed once.
+  expect 0 '' "$msa" bench --decode --backend cpu --tp 4 --batches 1 --contexts 16k --queries 1,4 --formats bf16 \
+    --selection both --reps 1 --json selection.json
+  [[ $(grep -cE "^ *1 +16k +[14] +bf16 +(independent|coherent) +1 +$t " stdout.txt) == 3 ]] ||
+    fail "not three rows (Q 1 once, Q 4 per selection)"
+  python3 - selection.json <<'PY' || fail "selection.json: coherent rows do not select alike, or independent rows do"
+import json, sys
+rows = {(r["queries_per_request"], r["selection"]): r["rows_per_page"] for r in json.load(open(sys.argv[1]))["results"]}
+assert set(rows) == {(1, "independent"), (4, "independent"), (4, "coherent")}, rows
+assert rows[(1, "independent")] == 1 and rows[(4, "coherent")] == 4 and rows[(4, "independent")] < 3, rows
+PY
   ;;
 
 bench_prefill)

@@ -141,7 +141,10 @@ int main(int argc, char** argv) {
   CLI::Option* tokens_opt = bench_cmd->add_option(
       "--tokens", bench.sizes, "Tokens per document, e.g. 4096,16384,16k (default: 4k,8k on the CPU; 4k..128k on a GPU)");
   CLI::Option* sizes_opt = bench_cmd->add_option("--sizes", bench.sizes, "Same as --tokens")->excludes(tokens_opt);
-  CLI::Option* selection_opt = bench_cmd->add_option("--selection", bench.selection, "independent, coherent or both")
+  CLI::Option* selection_opt = bench_cmd->add_option(
+      "--selection", bench.selection,
+      "independent, coherent or both (default both; --decode: independent, each query row its own index query, or "
+      "coherent, the rows of a request sharing one, so they select alike)")
       ->check(CLI::IsMember({"independent", "coherent", "both"}))
       ->capture_default_str();
   CLI::Option* repeats_opt = bench_cmd->add_option("--repeats", bench.repeats, "Timed runs per step (default 3 on the CPU, decode and prefill 2; 10 on a GPU)")
@@ -244,8 +247,10 @@ int main(int argc, char** argv) {
         if (!prefill && opt->count() > 0) refuse(opt->get_name() + " applies to the prefill bench (--prefill) only");
       if (!bench.decode && !prefill && formats_opt->count() > 0)
         refuse("--formats applies to the decode and prefill benches (--decode, --prefill) only");
+      // --selection: the training bench's two distributions, or the decode bench's (default: independent).
+      if (bench.decode && selection_opt->count() == 0) bench.selection = "independent";
       for (const CLI::Option* opt : {tokens_opt, sizes_opt, selection_opt}) {
-        if (bench.decode && opt->count() > 0)
+        if (bench.decode && opt->count() > 0 && opt != selection_opt)
           refuse(opt->get_name() + " applies to the training bench only; with --decode use --batches / --contexts");
         if (prefill && opt->count() > 0)
           refuse(opt->get_name() + " applies to the training bench only; --prefill takes its shapes from the manifest");
