@@ -34,6 +34,8 @@ def read_rows(path):
         for r in report["results"]:
             label = (f"{r['batch']} x {_context_label(r['context'])}, Q {r['queries_per_request']}, "
                      f"{r['cache']}")
+            if r.get("selection") == "coherent":  # reports before the field had independent rows only
+                label += ", coherent"
             parts = {part: float(r[part]["percent_of_copy"]) for part in PARTS}
             if GRAPH_PART in r:
                 parts[GRAPH_PART] = float(r[GRAPH_PART]["percent_of_copy"])
