@@ -249,10 +249,7 @@ int run_bench(const BenchOptions& o) {
   if (!o.sizes.empty()) sizes = parse_size_list(o.sizes, o.sizes_option);
   else if (dev.is_cuda()) sizes = {4096, 8192, 16384, 32768, 65536, 131072};
   else sizes = {4096, 8192};
-  std::vector<Selection> selections;
-  if (o.selection == "independent" || o.selection == "both") selections.push_back(Selection::independent);
-  if (o.selection == "coherent" || o.selection == "both") selections.push_back(Selection::coherent);
-  if (selections.empty()) invalid("--selection must be independent, coherent or both, got '" + o.selection + "'");
+  const std::vector<Selection> selections = parse_selections(o.selection);
   const int repeats = o.repeats > 0 ? o.repeats : (dev.is_cuda() ? 10 : 3);
 
   if (o.tp != 1 && o.tp != 2 && o.tp != 4) invalid("--tp must be 1, 2 or 4, got " + std::to_string(o.tp));

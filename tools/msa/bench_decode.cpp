@@ -57,10 +57,8 @@ struct DecodeShape {
   int64_t batch = 0, context = 0;
   int queries = kDefaultQ;
   KvFormat format = KvFormat::bf16;
-  bool coherent = false;  // the Q rows of a request share their index query (select alike)
+  Selection selection = Selection::independent;  // coherent: the Q rows of a request share their index query
 };
-
-const char* selection_label(const DecodeShape& s) { return s.coherent ? "coherent" : "independent"; }
 
 // K + V bytes of one token of one KV head.
 double kv_token_bytes(KvFormat f) {
@@ -103,23 +101,21 @@ std::vector<DecodeShape> decode_shapes(const BenchOptions& o, bool gpu) {
     if (c < most_q)
       invalid("--contexts entries must be at least the largest --queries value (" + std::to_string(most_q) +
               ": the step's queries are part of the context), got " + std::to_string(c));
-  std::vector<bool> coherent;
-  if (o.selection == "independent" || o.selection == "both") coherent.push_back(false);
-  if (o.selection == "coherent" || o.selection == "both") coherent.push_back(true);
-  if (coherent.empty()) invalid("--selection must be independent, coherent or both, got '" + o.selection + "'");
+  const std::vector<Selection> selections = parse_selections(o.selection);
   std::vector<DecodeShape> shapes;
   const bool default_formats = o.formats.empty();
   const std::vector<KvFormat> formats = default_formats ? std::vector<KvFormat>{KvFormat::bf16} : parse_formats(o.formats);
   for (int64_t q : queries)
-    for (bool co : coherent) {
-      if (q == 1 && co && coherent.size() > 1) continue;  // one row a request: the two selections are one
+    for (Selection sel : selections) {
+      // One row a request: the two selections are one.
+      if (q == 1 && sel == Selection::coherent && selections.size() > 1) continue;
       for (KvFormat f : formats)
         for (int64_t b : batches)
-          for (int64_t c : contexts) shapes.push_back({b, c, int(q), f, co});
+          for (int64_t c : contexts) shapes.push_back({b, c, int(q), f, sel});
       // The default run's one FP8 point: the middle batch and context (32 x 32k on a GPU).
       if (default_formats) {
         const int64_t b = batches[(batches.size() - 1) / 2], c = contexts[(contexts.size() - 1) / 2];
-        shapes.push_back({b, c, int(q), KvFormat::fp8_e4m3, co});
+        shapes.push_back({b, c, int(q), KvFormat::fp8_e4m3, sel});
       }
     }
   return shapes;
@@ -167,7 +163,7 @@ DecodeRow bench_shape(const DecodeShape& pt, const Topology& topo, Device dev, c
   StTensor qh = make_tensor("q", DType::bf16, {rows, Hq, kDim}), qih = make_tensor("qi", DType::bf16, {rows, Hi, kDim});
   fill_bytes(qh, 10 + uint64_t(B));
   fill_bytes(qih, 20 + uint64_t(B));
-  if (pt.coherent) {  // every row of a request takes its first row's index query
+  if (pt.selection == Selection::coherent) {  // every row of a request takes its first row's index query
     const size_t row_bytes = qih.bytes.size() / size_t(rows);
     for (int64_t b = 0; b < B; ++b)
       for (int i = 1; i < Q; ++i)
@@ -249,7 +245,7 @@ std::string copy_cell(const Part& p, double copy_rate) {
 std::string row_line(const DecodeRow& r, double copy_rate) {
   std::ostringstream s;
   s << "batch " << r.shape.batch << ", context " << r.shape.context << ", Q " << r.shape.queries << ", "
-    << format_label(r.shape.format) << ", " << selection_label(r.shape) << ", " << r.splits << " splits:";
+    << format_label(r.shape.format) << ", " << to_string(r.shape.selection) << ", " << r.splits << " splits:";
   const std::pair<const char*, const Part*> parts[] = {{"indexer", &r.indexer}, {"attention", &r.attention}, {"step", &r.step}};
   for (const auto& [name, p] : parts) {
     s << (p == &r.indexer ? " " : " | ") << name << " " << format_time(p->seconds) << " " << gbps_cell(*p) << " GB/s";
@@ -294,7 +290,7 @@ std::string json_text(const std::vector<DecodeRow>& rows, Device dev, const Topo
                             {"context", r.shape.context},
                             {"queries_per_request", r.shape.queries},
                             {"cache", format_label(r.shape.format)},
-                            {"selection", selection_label(r.shape)},
+                            {"selection", to_string(r.shape.selection)},
                             {"splits", r.splits},
                             {"pages_per_request_head", r.pages_per_request_head},
                             {"rows_per_page", r.rows_per_page},
@@ -335,7 +331,7 @@ int run_bench_decode(const BenchOptions& o) {
   std::vector<DecodeRow> rows;
   for (const DecodeShape& pt : shapes) {
     progress("batch " + std::to_string(pt.batch) + ", context " + std::to_string(pt.context) + ", Q " +
-             std::to_string(pt.queries) + ", " + format_label(pt.format) + ", " + selection_label(pt));
+             std::to_string(pt.queries) + ", " + format_label(pt.format) + ", " + to_string(pt.selection));
     rows.push_back(bench_shape(pt, topo, dev, pool, o.splits, repeats, o.threads, timer));
     progress(row_line(rows.back(), copy_rate));
     if (!o.json_path.empty()) write_file_whole(o.json_path, json_text(rows, dev, topo, repeats, o.splits, copy_rate));
@@ -354,7 +350,7 @@ int run_bench_decode(const BenchOptions& o) {
   table.align_right({true, true, true, false, false, true, true, true, true, true, true, true, true, true, true, true, true});
   for (const DecodeRow& r : rows)
     table.add_row({std::to_string(r.shape.batch), context_cell(r.shape.context), std::to_string(r.shape.queries),
-                   format_label(r.shape.format), selection_label(r.shape), std::to_string(r.splits), format_time(r.indexer.seconds),
+                   format_label(r.shape.format), to_string(r.shape.selection), std::to_string(r.splits), format_time(r.indexer.seconds),
                    gbps_cell(r.indexer), copy_cell(r.indexer, copy_rate), format_time(r.attention.seconds),
                    gbps_cell(r.attention), copy_cell(r.attention, copy_rate), format_time(r.step.seconds),
                    gbps_cell(r.step), copy_cell(r.step, copy_rate),

@@ -167,6 +167,14 @@ void fill_drifting_bf16(uint16_t* dst, const PackedLayout& layout, bool along_ke
 
 std::string to_string(Selection s) { return s == Selection::independent ? "independent" : "coherent"; }
 
+std::vector<Selection> parse_selections(const std::string& text) {
+  std::vector<Selection> selections;
+  if (text == "independent" || text == "both") selections.push_back(Selection::independent);
+  if (text == "coherent" || text == "both") selections.push_back(Selection::coherent);
+  if (selections.empty()) invalid("--selection must be independent, coherent or both, got '" + text + "'");
+  return selections;
+}
+
 // ---------------------------------------------------------------------------------------
 
 double attended_pairs(const Topology& topo, const PackedLayout& layout, const int32_t* topk) {

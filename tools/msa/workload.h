@@ -43,6 +43,8 @@ void fill_drifting_bf16(uint16_t* dst, const PackedLayout& layout, bool along_ke
 // How index vectors are drawn for a workload (architecture §5).
 enum class Selection { independent, coherent };
 std::string to_string(Selection s);
+// --selection: "independent", "coherent" or "both" (independent first); refuses anything else.
+std::vector<Selection> parse_selections(const std::string& text);
 
 // ---- useful FLOPs (architecture §5) ----
 
