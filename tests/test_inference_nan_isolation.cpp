@@ -178,6 +178,97 @@ TEST(InferenceNanIsolation, DecodeRowsIgnoreFutureAndUnusedSlots) {
     }
 }
 
+// A page of one request that some of its rows selected and others did not (the case's index
+// queries are independent per row): logical page `page` of request 0, or -1 when no full,
+// non-local page is split that way.
+int64_t page_selected_by_some_rows(const PagedCase& c, const PagedOutputs& o) {
+  const int q = c.q_len_per_req;
+  const auto ids = o.topk.ints();  // [Hi = 1, T, 16], request 0's rows first
+  const int64_t full_pages = (c.seq_lens[0] - q) / 128;  // pages before the first row's own
+  for (int64_t page = 1; page < full_pages; ++page) {
+    int rows = 0;
+    for (int r = 0; r < q; ++r)
+      for (int s = 0; s < 16; ++s) rows += ids[size_t(r * 16 + s)] == page;
+    if (rows > 0 && rows < q) return page;
+  }
+  return -1;
+}
+
+// The V values of every slot of request 0's logical page `page`: NaN, +inf and -inf (NaN
+// block scales for NVFP4, whose codes have no infinity). K and index-K stay, so the selection
+// does not change.
+void poison_values(PagedCase& c, int64_t page) {
+  const float nan = std::numeric_limits<float>::quiet_NaN(), inf = std::numeric_limits<float>::infinity();
+  const int64_t phys = c.page_table[size_t(page)];
+  for (int h = 0; h < c.topo.num_kv_heads; ++h)
+    for (int64_t t = 0; t < 128; ++t) {
+      const int64_t row = (phys * c.topo.num_kv_heads + h) * 128 + t;
+      if (c.format == KvFormat::nvfp4) {
+        for (int e = 0; e < 8; ++e) c.v_sf.data<uint8_t>()[row * 8 + e] = 0x7f;
+      } else {
+        for (int e = 0; e < 128; ++e) c.v.set(row * 128 + e, e % 3 == 0 ? nan : (e % 3 == 1 ? inf : -inf));
+      }
+    }
+}
+
+// Rows of request 0 that selected `page`, and the other rows of the case.
+void split_rows(const PagedCase& c, const PagedOutputs& o, int64_t page, std::vector<int64_t>& selecting,
+                std::vector<int64_t>& others) {
+  const auto ids = o.topk.ints();
+  for (int64_t r = 0; r < c.total_q(); ++r) {
+    bool sel = false;
+    for (int s = 0; s < 16; ++s) sel |= r < c.q_len_per_req && ids[size_t(r * 16 + s)] == page;
+    (sel ? selecting : others).push_back(r);
+  }
+}
+
+// A poisoned page that some rows of a request attend to and others of the same step do not:
+// the others are bitwise unchanged and finite; the rows that attend to it keep their LSE (V
+// does not enter it) and are non-finite where `reference` (the CPU backend's run) is.
+template <typename Run>
+void check_values_of_a_page_some_rows_skip(std::mt19937_64& rng, Run run, bool against_cpu) {
+  for (const char* f : kFormats)
+    for (int q : {2, 8, 16}) {
+      SCOPED_TRACE(std::string(f) + " Q " + std::to_string(q));
+      PagedCase c = make_decode_case(rng, kSmall, {3000, 1500}, q, format_options(f));
+      const PagedCase before = c;
+      const PagedOutputs first = run(before, 1);
+      const int64_t page = page_selected_by_some_rows(c, first);
+      ASSERT_GE(page, 0) << "no page of request 0 is selected by some of its rows and not others";
+      poison_values(c, page);
+      std::vector<int64_t> selecting, others;
+      split_rows(c, first, page, selecting, others);
+      for (int splits : {1, 4}) {
+        SCOPED_TRACE("splits " + std::to_string(splits));
+        const PagedOutputs clean = run(before, splits), got = run(c, splits);
+        expect_rows_unchanged(c, clean, got, others);
+        const PagedOutputs want = against_cpu ? cpu_run(c, splits) : got;
+        const auto lse0 = clean.lse.floats(), lse1 = got.lse.floats();
+        const auto out1 = got.out.floats(), out_want = want.out.floats();
+        int reported = 0, nonfinite = 0;
+        for (int64_t r : selecting)
+          for (int h = 0; h < c.topo.num_q_heads; ++h) {
+            const size_t rh = size_t(r * c.topo.num_q_heads + h);
+            if (std::memcmp(&lse0[rh], &lse1[rh], sizeof(float)) != 0 && reported++ < 5)
+              ADD_FAILURE() << "row " << r << " head " << h << " lse " << lse0[rh] << " -> " << lse1[rh];
+            for (int d = 0; d < 128; ++d) {
+              const float a = out1[rh * 128 + size_t(d)], b = out_want[rh * 128 + size_t(d)];
+              nonfinite += !std::isfinite(a);
+              if (std::isfinite(a) != std::isfinite(b) && reported++ < 5)
+                ADD_FAILURE() << "row " << r << " head " << h << " out[" << d << "] " << a << ", the CPU's " << b;
+            }
+          }
+        EXPECT_EQ(reported, 0);
+        EXPECT_GT(nonfinite, 0) << "the rows that attend to the poisoned page stayed finite";
+      }
+    }
+}
+
+TEST(InferenceNanIsolation, DecodeRowsThatSkipAPageIgnoreItsValues) {
+  MSA_SEEDED_RNG(rng);
+  check_values_of_a_page_some_rows_skip(rng, [](const PagedCase& c, int splits) { return cpu_run(c, splits); }, false);
+}
+
 // ---------------------------------------------------------------------------------------
 // GPU
 
@@ -268,6 +359,13 @@ TEST(GpuInferenceNanIsolation, DecodeRowsIgnoreFutureAndUnusedSlots) {
         expect_rows_unchanged(c, gpu_run(before, splits), gpu_run(c, splits), clean_rows(c, poisons));
       }
     }
+}
+
+// bf16 decode first runs without the V check and must notice the page (the checked pass).
+TEST(GpuInferenceNanIsolation, DecodeRowsThatSkipAPageIgnoreItsValues) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  check_values_of_a_page_some_rows_skip(rng, [](const PagedCase& c, int splits) { return gpu_run(c, splits); }, true);
 }
 
 }  // namespace

@@ -258,11 +258,14 @@ __device__ __forceinline__ void bulk_wait_read() {
 __device__ __forceinline__ void named_barrier(int id, int threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
-// The same barrier that also returns whether `pred` holds in any of the threads.
+// The same barrier that also returns whether `pred` holds in any of the threads. The
+// unaligned form (barrier.red, not bar.red = barrier.red.aligned): a warp may reach it with its
+// lanes not yet reconverged (after lane-0 work or per-thread mbarrier waits), which the aligned
+// form does not allow.
 __device__ __forceinline__ bool named_barrier_or(int id, int threads, bool pred) {
   uint32_t any;
   asm volatile(
-      "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbar.red.or.pred q, %2, %3, p;\nselp.u32 %0, 1, 0, q;\n}\n"
+      "{\n.reg .pred p, q;\nsetp.ne.u32 p, %1, 0;\nbarrier.red.or.pred q, %2, %3, p;\nselp.u32 %0, 1, 0, q;\n}\n"
       : "=r"(any)
       : "r"(uint32_t(pred)), "r"(id), "r"(threads)
       : "memory");

@@ -81,6 +81,11 @@ struct TableRow {
   int32_t pages;
 };
 
+// 4-byte asynchronous global -> shared copy (through L1).
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
+}
+
 // Optional step 0, before the selection exists (the page table is the plan's, not a kernel's
 // output, so this may run before griddep_wait): the page-table row of the tile's request into
 // shared memory, so that the page lookups after the selection cost no global round trip.
@@ -91,7 +96,10 @@ __device__ __forceinline__ void preload_page_table(const AttnArgs& a, TableRow& 
   const bool one = a.request[r0 + nrows - 1] == request;
   const int n = one ? int(min64(a.kv.max_pages, kTablePages)) : 0;
   const int32_t* row = a.kv.page_table + int64_t(request) * a.kv.max_pages;
-  for (int i = threadIdx.x; i < n; i += blockDim.x) table.physical[i] = row[i];
+  // cp.async: the loads hold no registers, so the thread goes on to the wait at once;
+  // collect_pages waits for them (with the query tile and the top-k) before its barrier.
+  for (int i = threadIdx.x; i < n; i += blockDim.x) cp_async4(smem_addr(&table.physical[i]), row + i);
+  cp_async_commit();
   if (threadIdx.x == 0) {
     table.request = one ? request : -1;
     table.pages = n;
@@ -118,6 +126,7 @@ __device__ __forceinline__ int collect_pages(const AttnArgs& a, SplitPages& ctl,
     ctl.entry_key[tid] = key;
     ctl.entry_tokens[tid] = tokens;
   }
+  if (table) cp_async_wait<0>();  // this thread's copies of the preloaded row
   __syncthreads();
   // The entry's page: first appearance, the rows that selected it, the most tokens they see.
   bool first = key.x >= 0;
