@@ -527,10 +527,12 @@ void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, c
   a.kv = paged_kv_source(plan, c);
   // One TMA map per side (strides are 16-byte multiples: checked with the rows' alignment).
   const int row_bytes = c.format == KvFormat::bf16 ? kHeadDim * 2 : c.format == KvFormat::fp8_e4m3 ? kHeadDim : kNvfp4RowBytes;
+  // FP8 with per-tensor scales: the row-warp kernel, whose codes land 128-byte swizzled.
+  const bool rows_kernel = c.format == KvFormat::fp8_e4m3 && !a.kv.k_token_scale;
   const CUtensorMap k_map = paged_cache_map(a.kv.k, c.k.shape[0], c.k.shape[1], row_bytes, a.kv.k_page, a.kv.k_head,
-                                            a.kv.k_row, "k_cache");
+                                            a.kv.k_row, "k_cache", rows_kernel);
   const CUtensorMap v_map = paged_cache_map(a.kv.v, c.v.shape[0], c.v.shape[1], row_bytes, a.kv.v_page, a.kv.v_head,
-                                            a.kv.v_row, "v_cache");
+                                            a.kv.v_row, "v_cache", rows_kernel);
   a.topk = p.topk.as<const int32_t>();
   a.positions = static_cast<const int32_t*>(plan.positions.data());
   a.request = static_cast<const int32_t*>(plan.query_request.data());
@@ -547,16 +549,19 @@ void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, c
     a.part_lse = static_cast<float*>(plan.partial_lse.data());
   }
   const dim3 grid(unsigned(ceil_div(T, a.rows_per_tile)), unsigned(topo.num_kv_heads), unsigned(splits));
-  if (c.format != KvFormat::nvfp4) {  // bf16 / FP8: the wgmma kernel, which merges the splits itself
+  if (rows_kernel) {
+    launch_rows(a, k_map, v_map, grid, stream);
+  } else if (c.format != KvFormat::nvfp4) {  // bf16 / FP8: the wgmma kernel, which merges the splits itself
     a.arrivals = static_cast<int32_t*>(plan.split_arrivals.data());
     detail::require(splits == 1 || a.arrivals, "paged_attention: the decode plan has no split arrival counts (build it on the CUDA device)");
     return launch_wgmma(c.format, a, k_map, v_map, grid, stream);
-  }
-  switch (rows_instance(a.rows_per_tile)) {  // NVFP4
-    case 1: launch<1>(a, k_map, v_map, grid, stream); break;
-    case 2: launch<2>(a, k_map, v_map, grid, stream); break;
-    case 4: launch<4>(a, k_map, v_map, grid, stream); break;
-    default: launch<8>(a, k_map, v_map, grid, stream); break;
+  } else {
+    switch (rows_instance(a.rows_per_tile)) {  // NVFP4
+      case 1: launch<1>(a, k_map, v_map, grid, stream); break;
+      case 2: launch<2>(a, k_map, v_map, grid, stream); break;
+      case 4: launch<4>(a, k_map, v_map, grid, stream); break;
+      default: launch<8>(a, k_map, v_map, grid, stream); break;
+    }
   }
 
   if (splits > 1) {
@@ -577,10 +582,11 @@ int64_t decode_attention_concurrency(int device, int q_len_per_req) {
     std::lock_guard<std::mutex> lock(mutex);
     int& cached = per_sm[R == 1 ? 0 : R == 2 ? 1 : R == 4 ? 2 : 3];
     if (cached == 0)
-      cached = std::max(1, std::min(decode::wgmma_ctas_per_sm(R), R == 1   ? nvfp4_ctas_per_sm<1>()
-                                                                  : R == 2 ? nvfp4_ctas_per_sm<2>()
-                                                                  : R == 4 ? nvfp4_ctas_per_sm<4>()
-                                                                           : nvfp4_ctas_per_sm<8>()));
+      cached = std::max(1, std::min({decode::wgmma_ctas_per_sm(R), decode::rows_ctas_per_sm(),
+                                     R == 1   ? nvfp4_ctas_per_sm<1>()
+                                     : R == 2 ? nvfp4_ctas_per_sm<2>()
+                                     : R == 4 ? nvfp4_ctas_per_sm<4>()
+                                              : nvfp4_ctas_per_sm<8>()}));
     n = cached;
   }
   return int64_t(sm_count()) * n;

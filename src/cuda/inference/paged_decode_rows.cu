@@ -1,0 +1,419 @@
+// Decode attention over an FP8 paged cache (per-tensor scales) with one warp per query row and
+// only the pages that row selected (sm_90a; paged_attention.cu dispatches here).
+//
+// The warpgroup kernel (paged_decode_wgmma.cu) multiplies a page for 4 rows x 16 heads at once
+// whichever of the 4 rows selected it; when a request's rows select different pages (as the
+// benchmark's random index queries do) 3 of 4 of its products are for rows that skip the page,
+// and FP8's step costs as long as bf16's although it reads half the bytes. Here a consumer warp
+// owns one row's 16 heads (the m16 tile of mma.sync) and multiplies only the pages its row
+// selected: 1.05 MFLOP a row and page. Rows of a tile with fewer rows than warps get several
+// warps, which take turns over the row's pages and combine their states at the end.
+//
+//   producer (one thread)   TMA of a page's K and V codes (16 KB each, 128-byte swizzle) into
+//                           a ring of kStages pages;
+//   consumers (8 warps)     S = Q K^T on m16n8k16 f16 products: Q in registers (bf16 scaled per
+//                           head by a power of two into f16's range, exact), the K codes read
+//                           from shared memory 8 at a time and converted in registers
+//                           (cvt.f16x2.e4m3x2, exact: f16 holds every E4M3 value); the online
+//                           softmax in registers; O += P V with P in f16 and the V codes of 4
+//                           keys byte-permuted into (key pair, dim) words and converted likewise.
+//
+// The k order of S's products is permuted so that one 8-byte load gives a thread its codes of
+// two k16 steps: k16 step kk, quad q holds logical k 2q, 2q + 1 (+ 8, + 9) = dims 32 (kk / 2) +
+// 8q + 4 (kk % 2) + 0, 1 (+ 2, 3); Q's fragments are built in the same order. P V's dims are
+// permuted too: n-tile t = 8 hh + i, column n is dim 64 hh + 8n + i, so a thread's 8 codes of a
+// key serve 8 n-tiles (the epilogue writes the dims back in order).
+//
+// Keys past a row's causal limit are removed by selection (-inf scores; their V codes zeroed
+// before the conversion: 0 * NaN is NaN): a row never multiplies a page it did not select, so no
+// V side needs an inf / NaN check. Splits > 1 write normalised partials that merge_states
+// combines (the host launches it).
+#include <cstddef>
+#include <mutex>
+
+#include "attention_state.h"
+#include "core/check.h"
+#include "cuda/device.cuh"
+#include "cuda/inference/decode_pages.cuh"
+#include "cuda/inference/quant.cuh"
+#include "cuda/named_barriers.cuh"
+
+namespace msa::cuda::decode {
+
+namespace {
+
+using model::kGroupSize;
+using model::kHeadDim;
+
+constexpr int kRowWarps = 8;                          // consumer warps
+constexpr int kThreads = 32 * (kRowWarps + 1);        // + the producer warp
+constexpr int kStages = 6;                            // pages in the ring
+constexpr int kSideBytes = kPageSize * kHeadDim;      // one side of a page: 128 tokens x 128 codes
+constexpr int kSharedLimit = 227 * 1024;
+static_assert(kMaxTileRows <= kRowWarps, "a warp (at least) per tile row");
+
+struct alignas(1024) CodePage {
+  uint8_t side[2][kSideBytes];  // K, V codes, token t's row at 128 t, its 16-byte chunk c at c ^ (t % 8)
+};
+
+// Shared memory from a 1024-byte aligned base. Barriers per stage:
+//   full   the page's two TMA boxes have landed (1 arrival + bytes)
+//   empty  every consumer warp is done with it (kRowWarps arrivals)
+// After the pages, the ring holds the warps' states for the combination of a row's warps.
+struct RowsStorage {
+  CodePage stage[kStages];
+  SplitPages pages;
+  TableRow table;
+  uint64_t full[kStages];
+  uint64_t empty[kStages];
+  int32_t row_position[kMaxTileRows];
+};
+constexpr int kStorageBytes = 1024 + int(sizeof(RowsStorage));
+static_assert(kStorageBytes <= kSharedLimit, "paged_decode_rows_kernel: shared memory");
+
+// A warp's state in the ring for the combination: per lane, 64 accumulators, 2 maxima, 2 sums.
+constexpr int kStateFloats = 68;
+static_assert(kRowWarps * kStateFloats * 32 * 4 <= kStages * int(sizeof(CodePage)), "the states fit in the ring");
+
+// Byte b of token t's row in a side.
+__device__ __forceinline__ uint32_t code_offset(int t, int b) {
+  return uint32_t(t * 128 + ((((b >> 4) ^ (t & 7))) << 4) + (b & 15));
+}
+
+__device__ __forceinline__ uint2 ld_codes8(const uint8_t* side, int t, int b) {
+  return *reinterpret_cast<const uint2*>(side + code_offset(t, b));
+}
+
+// Producer, one thread: the split's pages in order, K and V of KV head g.
+__device__ __forceinline__ void issue_pages(RowsStorage& sm, uint32_t base, const CUtensorMap* k_map,
+                                            const CUtensorMap* v_map, int g, int pages) {
+  const uint64_t policy = l2_evict_first();
+  for (int u = 0; u < pages; ++u) {
+    const int s = u % kStages;
+    if (u >= kStages) mbar_wait(smem_addr(&sm.empty[s]), ((u / kStages) - 1) & 1);
+    const uint32_t full = smem_addr(&sm.full[s]);
+    mbar_arrive_expect_tx(full, 2 * kSideBytes);
+    const uint32_t dst = base + uint32_t(offsetof(RowsStorage, stage) + s * sizeof(CodePage));
+    const int32_t phys = sm.pages.page_physical[u];
+    tma_load_4d(dst, k_map, 0, 0, g, phys, full, policy);
+    tma_load_4d(dst + kSideBytes, v_map, 0, 0, g, phys, full, policy);
+  }
+}
+
+// One consumer warp's row state: heads gid and gid + 8 of its lane, P V's n-tiles.
+struct RowState {
+  float o[16][4];  // n-tile t = 8 hh + i: C fragment (dims 64 hh + 16 q + i, + 8)
+  float m[2];      // running max, log2 units
+  float l[2];      // this lane's share of the sums
+};
+
+// The row's queries as f16 A fragments of S's 8 k16 steps in the permuted k order, each head
+// scaled by a power of two that puts its largest |q| in [2^14, 2^15) (exact: bf16's 8 bits of
+// mantissa fit f16's 11 wherever f16 is normal); qk[h]: the logit factor that undoes it.
+__device__ __forceinline__ void load_query(const AttnArgs& a, int64_t r, int g, int lane, float logit_scale,
+                                           uint32_t (&qa)[8][4], float (&qk)[2]) {
+  const int quad = lane & 3, gid = lane >> 2;
+  uint4 raw[2][4];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const __nv_bfloat16* src = a.q + r * a.q_s0 + int64_t(g * kGroupSize + gid + 8 * h) * a.q_s1;
+#pragma unroll
+    for (int p = 0; p < 4; ++p) raw[h][p] = *reinterpret_cast<const uint4*>(src + 32 * p + 8 * quad);
+  }
+  float v[2][4][8];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float mx = 0.0f;
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const uint32_t w[4] = {raw[h][p].x, raw[h][p].y, raw[h][p].z, raw[h][p].w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        v[h][p][2 * e] = __uint_as_float(w[e] << 16);
+        v[h][p][2 * e + 1] = __uint_as_float(w[e] & 0xffff0000u);
+        mx = fmaxf(mx, fmaxf(fabsf(v[h][p][2 * e]), fabsf(v[h][p][2 * e + 1])));
+      }
+    }
+    mx = warp_max4(mx);
+    // mx = 0: any scale; inf: the scaled inf stays inf (and NaN NaN), as the logits would be.
+    const int e = mx > 0.0f && mx < INFINITY ? ilogbf(mx) : 0;
+    const float scale = ldexpf(1.0f, 14 - e);
+    qk[h] = logit_scale / scale;
+#pragma unroll
+    for (int p = 0; p < 4; ++p)
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[h][p][i] *= scale;
+  }
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {
+    const int p = kk / 2, o = 4 * (kk % 2);
+    qa[kk][0] = pack_f16(v[0][p][o], v[0][p][o + 1]);
+    qa[kk][1] = pack_f16(v[1][p][o], v[1][p][o + 1]);
+    qa[kk][2] = pack_f16(v[0][p][o + 2], v[0][p][o + 3]);
+    qa[kk][3] = pack_f16(v[1][p][o + 2], v[1][p][o + 3]);
+  }
+}
+
+// S = Q K^T over a page's 128 keys (n-tile j: keys 8j ..; this lane's key 8j + gid).
+__device__ __forceinline__ void page_scores(const uint8_t* k_side, const uint32_t (&qa)[8][4], float (&s)[16][4],
+                                            int lane) {
+  const int quad = lane & 3, gid = lane >> 2;
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+    for (int p = 0; p < 4; ++p) {
+      const uint2 w = ld_codes8(k_side, 8 * j + gid, 32 * p + 8 * quad);
+      mma_16816<true>(s[j], qa[2 * p], inference::e4m3x2_to_f16x2(w.x), inference::e4m3x2_to_f16x2(w.x >> 16));
+      mma_16816<true>(s[j], qa[2 * p + 1], inference::e4m3x2_to_f16x2(w.y), inference::e4m3x2_to_f16x2(w.y >> 16));
+    }
+  }
+}
+
+// The online-softmax step over a page (keys past `limit` at -inf) -> the rescaled state and P
+// as f16 A fragments of P V's 8 k16 steps.
+__device__ __forceinline__ void softmax_page(RowState& st, float (&s)[16][4], uint32_t (&pa)[8][4], int limit,
+                                             const float (&qk)[2], int quad) {
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const int t = 8 * j + 2 * quad;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float x = t + (e & 1) < limit ? s[j][e] * qk[e >> 1] : -INFINITY;
+      s[j][e] = x;
+      mx[e >> 1] = fmaxf(mx[e >> 1], x);
+    }
+  }
+  float use[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float mnew = fmaxf(st.m[h], warp_max4(mx[h]));
+    use[h] = mnew == -INFINITY ? 0.0f : mnew;
+    const float alpha = fast_exp2(st.m[h] - use[h]);
+    st.m[h] = mnew;
+    st.l[h] *= alpha;
+#pragma unroll
+    for (int t = 0; t < 16; ++t) {
+      st.o[t][2 * h] *= alpha;
+      st.o[t][2 * h + 1] *= alpha;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const float p0 = fast_exp2(s[j][0] - use[0]), p1 = fast_exp2(s[j][1] - use[0]);
+    const float p2 = fast_exp2(s[j][2] - use[1]), p3 = fast_exp2(s[j][3] - use[1]);
+    st.l[0] += p0 + p1;
+    st.l[1] += p2 + p3;
+    pa[j / 2][2 * (j & 1)] = pack_f16(p0, p1);
+    pa[j / 2][2 * (j & 1) + 1] = pack_f16(p2, p3);
+  }
+}
+
+// O += P V over the page's keys below `limit` (keys 16c + 2q, + 1, + 8, + 9 of k16 step c for
+// quad q; this lane's dims 64 hh + 8 gid + i feed n-tile 8 hh + i).
+__device__ __forceinline__ void page_values(RowState& st, const uint8_t* v_side, const uint32_t (&pa)[8][4], int limit,
+                                            int lane) {
+  const int quad = lane & 3, gid = lane >> 2;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    if (c * 16 >= limit) break;
+    const int k0 = 16 * c + 2 * quad;
+    uint2 keep = make_uint2(0xffffffffu, 0xffffffffu);
+    if (c * 16 + 16 > limit) keep = keys_below(c, limit, quad);  // f16 pairs: the same masks as bf16
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const int d0 = 64 * hh + 8 * gid;
+      const uint2 w0 = ld_codes8(v_side, k0, d0), w1 = ld_codes8(v_side, k0 + 1, d0);
+      const uint2 w2 = ld_codes8(v_side, k0 + 8, d0), w3 = ld_codes8(v_side, k0 + 9, d0);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {  // dims d0 + 4 half + 0 .. 3
+        const uint32_t a0 = half ? w0.y : w0.x, a1 = half ? w1.y : w1.x;
+        const uint32_t a2 = half ? w2.y : w2.x, a3 = half ? w3.y : w3.x;
+#pragma unroll
+        for (int i = 0; i < 4; i += 2) {
+          // (key k0, key k0 + 1) codes of dims i and i + 1; the same for keys k0 + 8, + 9.
+          const uint32_t lo = __byte_perm(a0, a1, uint32_t(i | (i + 4) << 4 | (i + 1) << 8 | (i + 5) << 12));
+          const uint32_t hi = __byte_perm(a2, a3, uint32_t(i | (i + 4) << 4 | (i + 1) << 8 | (i + 5) << 12));
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const uint32_t b0 = inference::e4m3x2_to_f16x2(lo >> (16 * e)) & keep.x;
+            const uint32_t b1 = inference::e4m3x2_to_f16x2(hi >> (16 * e)) & keep.y;
+            mma_16816<true>(st.o[8 * hh + 4 * half + i + e], pa[c], b0, b1);
+          }
+        }
+      }
+    }
+  }
+}
+
+template <int Dummy = 0>
+__global__ void __maxnreg__(224)
+    paged_decode_rows_kernel(const AttnArgs a, const __grid_constant__ CUtensorMap k_map,
+                             const __grid_constant__ CUtensorMap v_map) {
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t base = align1024(smem_addr(smem_raw));
+  RowsStorage& sm = *reinterpret_cast<RowsStorage*>(smem_raw + (base - smem_addr(smem_raw)));
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int64_t r0 = int64_t(blockIdx.x) * a.rows_per_tile;
+  const int nrows = int(min64(a.rows_per_tile, a.total_q - r0));
+  const int g = blockIdx.y, split = blockIdx.z;
+
+  // 1. Barriers, row positions, the split's distinct pages.
+  if (tid == 0) {
+    for (int i = 0; i < kStages; ++i) {
+      mbar_init(smem_addr(&sm.full[i]), 1);
+      mbar_init(smem_addr(&sm.empty[i]), kRowWarps);
+    }
+  }
+  if (tid < kMaxTileRows) sm.row_position[tid] = tid < nrows ? a.positions[r0 + tid] : -1;
+  preload_page_table(a, sm.table, r0, nrows);
+  griddep_wait();
+  const int pages = collect_pages(a, sm.pages, r0, nrows, g, split, &sm.table);
+  __syncthreads();
+
+  if (warp == kRowWarps) {  // 2. the producer
+    if (lane == 0) issue_pages(sm, base, &k_map, &v_map, g, pages);
+    return;
+  }
+
+  // 3. The consumer warps: warp c serves row c / W, its pages k = c % W, k + W, .. of them.
+  const int rows_pow2 = nrows <= 1 ? 1 : nrows <= 2 ? 2 : nrows <= 4 ? 4 : 8;
+  const int W = kRowWarps / rows_pow2, row = warp / W, turn = warp % W;
+  const bool active = row < nrows;
+  const int32_t pos = active ? sm.row_position[row] : -1;
+  const float k_tensor = a.kv.k_tensor_scale ? *a.kv.k_tensor_scale : 1.0f;
+  const float v_tensor = a.kv.v_tensor_scale ? *a.kv.v_tensor_scale : 1.0f;
+  uint32_t qa[8][4];
+  float qk[2] = {0.0f, 0.0f};
+  if (active) load_query(a, r0 + row, g, lane, a.softmax_scale * k_tensor * math::kLog2e, qa, qk);
+
+  RowState st;
+#pragma unroll
+  for (int t = 0; t < 16; ++t) st.o[t][0] = st.o[t][1] = st.o[t][2] = st.o[t][3] = 0.0f;
+  st.m[0] = st.m[1] = -INFINITY;
+  st.l[0] = st.l[1] = 0.0f;
+  int seen = 0;  // pages of the split this row selected so far
+  const uint8_t* ring = smem_raw + (base - smem_addr(smem_raw)) + offsetof(RowsStorage, stage);
+  for (int u = 0; u < pages; ++u) {
+    const int s = u % kStages;
+    const bool mine = active && ((sm.pages.page_rows[u] >> row) & 1u);
+    const bool computes = mine && (seen++ % W) == turn;  // warp-uniform
+    mbar_wait(smem_addr(&sm.full[s]), (u / kStages) & 1);
+    if (computes) {
+      const int limit = visible_keys(pos, sm.pages.page_logical[u]);
+      const uint8_t* page = ring + s * sizeof(CodePage);
+      float sc[16][4];
+      uint32_t pa[8][4];
+      page_scores(page, qa, sc, lane);
+      softmax_page(st, sc, pa, limit, qk, lane & 3);
+      page_values(st, page + kSideBytes, pa, limit, lane);
+    }
+    __syncwarp();
+    if (lane == 0) mbar_arrive(smem_addr(&sm.empty[s]));
+  }
+#pragma unroll
+  for (int h = 0; h < 2; ++h) st.l[h] = warp_sum4(st.l[h]);
+
+  // 4. A row's W warps combine their states through the drained ring (the first warp of the
+  // row holds the result).
+  if (W > 1) {
+    float* states = reinterpret_cast<float*>(const_cast<uint8_t*>(ring));
+    sync_barrier(RowsBarrier::kConsumers, 32 * kRowWarps);  // every warp is past the ring's pages
+    float* mine_state = states + warp * kStateFloats * 32;
+    if (turn > 0) {
+#pragma unroll
+      for (int t = 0; t < 16; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) mine_state[(4 * t + e) * 32 + lane] = st.o[t][e];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        mine_state[(64 + h) * 32 + lane] = st.m[h];
+        mine_state[(66 + h) * 32 + lane] = st.l[h];
+      }
+    }
+    sync_barrier(RowsBarrier::kConsumers, 32 * kRowWarps);
+    if (turn > 0) return;
+    for (int k = 1; k < W; ++k) {
+      const float* other = states + (warp + k) * kStateFloats * 32;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float m2 = other[(64 + h) * 32 + lane], l2 = other[(66 + h) * 32 + lane];
+        const float mnew = fmaxf(st.m[h], m2);
+        const float use = mnew == -INFINITY ? 0.0f : mnew;
+        const float a1 = fast_exp2(st.m[h] - use), a2 = fast_exp2(m2 - use);
+        st.m[h] = mnew;
+        st.l[h] = st.l[h] * a1 + l2 * a2;
+#pragma unroll
+        for (int t = 0; t < 16; ++t) {
+          st.o[t][2 * h] = st.o[t][2 * h] * a1 + other[(4 * t + 2 * h) * 32 + lane] * a2;
+          st.o[t][2 * h + 1] = st.o[t][2 * h + 1] * a1 + other[(4 * t + 2 * h + 1) * 32 + lane] * a2;
+        }
+      }
+    }
+  }
+  if (!active) return;
+
+  // 5. The row's outputs (normalised) and LSE, or its split's partial. A lane's dims for head
+  // gid + 8h: 64 hh + 16 q + i (n-tile 8 hh + i, column 2q) and + 8 (column 2q + 1).
+  const int quad = lane & 3, gid = lane >> 2;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int head = gid + 8 * h;
+    const SoftmaxState state{st.m[h], st.l[h]};
+    const float inv = state.inverse_sum() * v_tensor;
+    const int64_t rh = (r0 + row) * a.hq + g * kGroupSize + head;
+    if (quad == 0) {
+      if (a.splits == 1) a.lse[rh] = state.lse();
+      else a.part_lse[int64_t(split) * a.total_q * a.hq + rh] = state.lse();
+    }
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+      for (int col = 0; col < 2; ++col) {
+        const int d0 = 64 * hh + 16 * quad + 8 * col;
+        float x[8];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) x[i] = st.o[8 * hh + i][2 * h + col] * inv;
+        if (a.splits > 1) {
+          float4* dst = reinterpret_cast<float4*>(a.part_out + (int64_t(split) * a.total_q * a.hq + rh) * kHeadDim + d0);
+          dst[0] = make_float4(x[0], x[1], x[2], x[3]);
+          dst[1] = make_float4(x[4], x[5], x[6], x[7]);
+        } else if (a.out_f32) {
+          float4* dst = reinterpret_cast<float4*>(static_cast<float*>(a.out) + rh * kHeadDim + d0);
+          dst[0] = make_float4(x[0], x[1], x[2], x[3]);
+          dst[1] = make_float4(x[4], x[5], x[6], x[7]);
+        } else {
+          *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(a.out) + rh * kHeadDim + d0) =
+              make_uint4(pack_bf16(x[0], x[1]), pack_bf16(x[2], x[3]), pack_bf16(x[4], x[5]), pack_bf16(x[6], x[7]));
+        }
+      }
+  }
+}
+
+void configure() {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    MSA_CUDA_CHECK(cudaFuncSetAttribute(paged_decode_rows_kernel<>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        kStorageBytes));
+  });
+}
+
+}  // namespace
+
+void launch_rows(const AttnArgs& a, const CUtensorMap& k_map, const CUtensorMap& v_map, dim3 grid,
+                 cudaStream_t stream) {
+  configure();
+  launch_programmatic("paged_decode_rows_kernel launch", paged_decode_rows_kernel<>, grid, dim3(kThreads),
+                      size_t(kStorageBytes), stream, a, k_map, v_map);
+}
+
+int rows_ctas_per_sm() {
+  configure();
+  int n = 0;
+  MSA_CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, paged_decode_rows_kernel<>, kThreads, kStorageBytes));
+  return n;
+}
+
+}  // namespace msa::cuda::decode
