@@ -172,10 +172,11 @@ void launch_wgmma(KvFormat f, const AttnArgs& a, const CUtensorMap& k_map, const
 // CTAs of that kernel an SM holds at once (the fewest over its formats).
 int wgmma_ctas_per_sm(int rows_per_tile);
 
-// The row-warp kernel (paged_decode_rows.cu): FP8 caches with per-tensor scales; the same grid;
-// the page maps with the 128-byte swizzle (paged_cache_map(.., swizzled = true)). Splits > 1
-// leave partials for merge_states.
-void launch_rows(const AttnArgs& a, const CUtensorMap& k_map, const CUtensorMap& v_map, dim3 grid, cudaStream_t stream);
+// The row-warp kernel (paged_decode_rows.cu): bf16 caches and FP8 caches with per-tensor
+// scales; the same grid; FP8 page maps with the 128-byte swizzle (paged_cache_map(..,
+// swizzled = true)). Splits > 1 leave partials for merge_states.
+void launch_rows(KvFormat f, const AttnArgs& a, const CUtensorMap& k_map, const CUtensorMap& v_map, dim3 grid,
+                 cudaStream_t stream);
 int rows_ctas_per_sm();
 
 }  // namespace msa::cuda::decode

@@ -1,5 +1,5 @@
-// Decode attention over an FP8 paged cache (per-tensor scales) with one warp per query row and
-// only the pages that row selected (sm_90a; paged_attention.cu dispatches here).
+// Decode attention over a bf16 or FP8 paged cache (per-tensor scales) with one warp per query
+// row and only the pages that row selected (sm_90a; paged_attention.cu dispatches here).
 //
 // The warpgroup kernel (paged_decode_wgmma.cu) multiplies a page for 4 rows x 16 heads at once
 // whichever of the 4 rows selected it; when a request's rows select different pages (as the
@@ -9,14 +9,17 @@
 // selected: 1.05 MFLOP a row and page. Rows of a tile with fewer rows than warps get several
 // warps, which take turns over the row's pages and combine their states at the end.
 //
-//   producer (one thread)   TMA of a page's K and V codes (16 KB each, 128-byte swizzle) into
-//                           a ring of kStages pages;
+//   producer (one thread)   TMA of a page's K and V (FP8 codes 16 KB a side, bf16 32 KB; both
+//                           128-byte swizzled) into a ring of pages;
 //   consumers (8 warps)     S = Q K^T on m16n8k16 f16 products: Q in registers (bf16 scaled per
 //                           head by a power of two into f16's range, exact), the K codes read
 //                           from shared memory 8 at a time and converted in registers
 //                           (cvt.f16x2.e4m3x2, exact: f16 holds every E4M3 value); the online
 //                           softmax in registers; O += P V with P in f16 and the V codes of 4
 //                           keys byte-permuted into (key pair, dim) words and converted likewise.
+//
+// bf16 pages take the usual ldmatrix fragments (load_b_nk / load_b_kn, device.cuh) and bf16
+// products; the rest of this note is about FP8 codes.
 //
 // The k order of S's products is permuted so that one 8-byte load gives a thread its codes of
 // two k16 steps: k16 step kk, quad q holds logical k 2q, 2q + 1 (+ 8, + 9) = dims 32 (kk / 2) +
@@ -28,6 +31,7 @@
 // before the conversion: 0 * NaN is NaN): a row never multiplies a page it did not select, so no
 // V side needs an inf / NaN check. Splits > 1 write normalised partials that merge_states
 // combines (the host launches it).
+#include <algorithm>
 #include <cstddef>
 #include <mutex>
 
@@ -47,33 +51,43 @@ using model::kHeadDim;
 
 constexpr int kRowWarps = 8;                          // consumer warps
 constexpr int kThreads = 32 * (kRowWarps + 1);        // + the producer warp
-constexpr int kStages = 6;                            // pages in the ring
-constexpr int kSideBytes = kPageSize * kHeadDim;      // one side of a page: 128 tokens x 128 codes
 constexpr int kSharedLimit = 227 * 1024;
+constexpr int kRingBytes = 192 * 1024;                // the page ring
 static_assert(kMaxTileRows <= kRowWarps, "a warp (at least) per tile row");
 
-struct alignas(1024) CodePage {
-  uint8_t side[2][kSideBytes];  // K, V codes, token t's row at 128 t, its 16-byte chunk c at c ^ (t % 8)
+// A page of the format: side 0 = K, 1 = V. FP8: token t's 128 codes at 128 t, 16-byte chunk c at
+// c ^ (t % 8); bf16: two column halves of 128 x 128 bytes each, as tile_offset (device.cuh).
+template <KvFormat F>
+struct RowsPage {
+  static constexpr int kSideBytes = kPageSize * kHeadDim * (F == KvFormat::bf16 ? 2 : 1);
+  static constexpr int kBoxes = F == KvFormat::bf16 ? 2 : 1;  // TMA boxes a side
+  static constexpr int kStages = kRingBytes / (2 * kSideBytes);
 };
 
 // Shared memory from a 1024-byte aligned base. Barriers per stage:
-//   full   the page's two TMA boxes have landed (1 arrival + bytes)
+//   full   the page's TMA boxes have landed (1 arrival + bytes)
 //   empty  every consumer warp is done with it (kRowWarps arrivals)
 // After the pages, the ring holds the warps' states for the combination of a row's warps.
+template <KvFormat F>
 struct RowsStorage {
-  CodePage stage[kStages];
+  static constexpr int kStages = RowsPage<F>::kStages;
+  alignas(1024) uint8_t ring[kRingBytes];
   SplitPages pages;
   TableRow table;
   uint64_t full[kStages];
   uint64_t empty[kStages];
   int32_t row_position[kMaxTileRows];
 };
-constexpr int kStorageBytes = 1024 + int(sizeof(RowsStorage));
-static_assert(kStorageBytes <= kSharedLimit, "paged_decode_rows_kernel: shared memory");
+template <KvFormat F>
+constexpr int storage_bytes() {
+  return 1024 + int(sizeof(RowsStorage<F>));
+}
+static_assert(storage_bytes<KvFormat::bf16>() <= kSharedLimit && storage_bytes<KvFormat::fp8_e4m3>() <= kSharedLimit,
+              "paged_decode_rows_kernel: shared memory");
 
 // A warp's state in the ring for the combination: per lane, 64 accumulators, 2 maxima, 2 sums.
 constexpr int kStateFloats = 68;
-static_assert(kRowWarps * kStateFloats * 32 * 4 <= kStages * int(sizeof(CodePage)), "the states fit in the ring");
+static_assert(kRowWarps * kStateFloats * 32 * 4 <= kRingBytes, "the states fit in the ring");
 
 // Byte b of token t's row in a side.
 __device__ __forceinline__ uint32_t code_offset(int t, int b) {
@@ -85,18 +99,24 @@ __device__ __forceinline__ uint2 ld_codes8(const uint8_t* side, int t, int b) {
 }
 
 // Producer, one thread: the split's pages in order, K and V of KV head g.
-__device__ __forceinline__ void issue_pages(RowsStorage& sm, uint32_t base, const CUtensorMap* k_map,
+template <KvFormat F>
+__device__ __forceinline__ void issue_pages(RowsStorage<F>& sm, uint32_t base, const CUtensorMap* k_map,
                                             const CUtensorMap* v_map, int g, int pages) {
+  using Page = RowsPage<F>;
+  constexpr int S = Page::kStages, kBoxBytes = Page::kSideBytes / Page::kBoxes;
   const uint64_t policy = l2_evict_first();
   for (int u = 0; u < pages; ++u) {
-    const int s = u % kStages;
-    if (u >= kStages) mbar_wait(smem_addr(&sm.empty[s]), ((u / kStages) - 1) & 1);
+    const int s = u % S;
+    if (u >= S) mbar_wait(smem_addr(&sm.empty[s]), ((u / S) - 1) & 1);
     const uint32_t full = smem_addr(&sm.full[s]);
-    mbar_arrive_expect_tx(full, 2 * kSideBytes);
-    const uint32_t dst = base + uint32_t(offsetof(RowsStorage, stage) + s * sizeof(CodePage));
+    mbar_arrive_expect_tx(full, 2 * Page::kSideBytes);
+    const uint32_t dst = base + uint32_t(offsetof(RowsStorage<F>, ring) + s * 2 * Page::kSideBytes);
     const int32_t phys = sm.pages.page_physical[u];
-    tma_load_4d(dst, k_map, 0, 0, g, phys, full, policy);
-    tma_load_4d(dst + kSideBytes, v_map, 0, 0, g, phys, full, policy);
+#pragma unroll
+    for (int box = 0; box < Page::kBoxes; ++box) {
+      tma_load_4d(dst + box * kBoxBytes, k_map, box * 64, 0, g, phys, full, policy);
+      tma_load_4d(dst + Page::kSideBytes + box * kBoxBytes, v_map, box * 64, 0, g, phys, full, policy);
+    }
   }
 }
 
@@ -170,8 +190,59 @@ __device__ __forceinline__ void page_scores(const uint8_t* k_side, const uint32_
   }
 }
 
+// bf16 pages: the row's queries as bf16 A fragments in the usual k order.
+__device__ __forceinline__ void load_query_bf16(const AttnArgs& a, int64_t r, int g, int lane, float logit_scale,
+                                                uint32_t (&qa)[8][4], float (&qk)[2]) {
+  const int quad = lane & 3, gid = lane >> 2;
+  const uint32_t* h0 = reinterpret_cast<const uint32_t*>(a.q + r * a.q_s0 + int64_t(g * kGroupSize + gid) * a.q_s1);
+  const uint32_t* h1 = reinterpret_cast<const uint32_t*>(a.q + r * a.q_s0 + int64_t(g * kGroupSize + gid + 8) * a.q_s1);
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {
+    qa[kk][0] = h0[8 * kk + quad];
+    qa[kk][1] = h1[8 * kk + quad];
+    qa[kk][2] = h0[8 * kk + 4 + quad];
+    qa[kk][3] = h1[8 * kk + 4 + quad];
+  }
+  qk[0] = qk[1] = logit_scale;
+}
+
+__device__ __forceinline__ void page_scores_bf16(uint32_t k_tile, const uint32_t (&qa)[8][4], float (&s)[16][4],
+                                                 int lane) {
+#pragma unroll
+  for (int j = 0; j < 16; ++j) s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
+#pragma unroll
+  for (int jj = 0; jj < 8; ++jj)
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+      uint32_t b[4];
+      load_b_nk(b, k_tile, kPageSize, 16 * jj, 16 * kk, lane);
+      mma_16816<false>(s[2 * jj], qa[kk], b[0], b[1]);
+      mma_16816<false>(s[2 * jj + 1], qa[kk], b[2], b[3]);
+    }
+}
+
+// O += P V for bf16 pages: n-tile t is dims 8t.. (the usual order).
+__device__ __forceinline__ void page_values_bf16(RowState& st, uint32_t v_tile, const uint32_t (&pa)[8][4], int limit,
+                                                 int lane) {
+  const int quad = lane & 3;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    if (c * 16 >= limit) break;
+    uint2 keep = make_uint2(0xffffffffu, 0xffffffffu);
+    if (c * 16 + 16 > limit) keep = keys_below(c, limit, quad);
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      uint32_t b[4];
+      load_b_kn(b, v_tile, kPageSize, 16 * c, 16 * jj, lane);
+      mma_16816<false>(st.o[2 * jj], pa[c], b[0] & keep.x, b[1] & keep.y);
+      mma_16816<false>(st.o[2 * jj + 1], pa[c], b[2] & keep.x, b[3] & keep.y);
+    }
+  }
+}
+
 // The online-softmax step over a page (keys past `limit` at -inf) -> the rescaled state and P
-// as f16 A fragments of P V's 8 k16 steps.
+// as A fragments of P V's 8 k16 steps (f16 with kF16, else bf16).
+template <bool kF16>
 __device__ __forceinline__ void softmax_page(RowState& st, float (&s)[16][4], uint32_t (&pa)[8][4], int limit,
                                              const float (&qk)[2], int quad) {
   float mx[2] = {-INFINITY, -INFINITY};
@@ -205,8 +276,8 @@ __device__ __forceinline__ void softmax_page(RowState& st, float (&s)[16][4], ui
     const float p2 = fast_exp2(s[j][2] - use[1]), p3 = fast_exp2(s[j][3] - use[1]);
     st.l[0] += p0 + p1;
     st.l[1] += p2 + p3;
-    pa[j / 2][2 * (j & 1)] = pack_f16(p0, p1);
-    pa[j / 2][2 * (j & 1) + 1] = pack_f16(p2, p3);
+    pa[j / 2][2 * (j & 1)] = kF16 ? pack_f16(p0, p1) : pack_bf16(p0, p1);
+    pa[j / 2][2 * (j & 1) + 1] = kF16 ? pack_f16(p2, p3) : pack_bf16(p2, p3);
   }
 }
 
@@ -247,13 +318,16 @@ __device__ __forceinline__ void page_values(RowState& st, const uint8_t* v_side,
   }
 }
 
-template <int Dummy = 0>
+template <KvFormat F>
 __global__ void __maxnreg__(224)
     paged_decode_rows_kernel(const AttnArgs a, const __grid_constant__ CUtensorMap k_map,
                              const __grid_constant__ CUtensorMap v_map) {
+  using Page = RowsPage<F>;
+  using Storage = RowsStorage<F>;
+  constexpr bool kFp8 = F == KvFormat::fp8_e4m3;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = align1024(smem_addr(smem_raw));
-  RowsStorage& sm = *reinterpret_cast<RowsStorage*>(smem_raw + (base - smem_addr(smem_raw)));
+  Storage& sm = *reinterpret_cast<Storage*>(smem_raw + (base - smem_addr(smem_raw)));
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int64_t r0 = int64_t(blockIdx.x) * a.rows_per_tile;
   const int nrows = int(min64(a.rows_per_tile, a.total_q - r0));
@@ -261,7 +335,7 @@ __global__ void __maxnreg__(224)
 
   // 1. Barriers, row positions, the split's distinct pages.
   if (tid == 0) {
-    for (int i = 0; i < kStages; ++i) {
+    for (int i = 0; i < Page::kStages; ++i) {
       mbar_init(smem_addr(&sm.full[i]), 1);
       mbar_init(smem_addr(&sm.empty[i]), kRowWarps);
     }
@@ -282,11 +356,15 @@ __global__ void __maxnreg__(224)
   const int W = kRowWarps / rows_pow2, row = warp / W, turn = warp % W;
   const bool active = row < nrows;
   const int32_t pos = active ? sm.row_position[row] : -1;
-  const float k_tensor = a.kv.k_tensor_scale ? *a.kv.k_tensor_scale : 1.0f;
-  const float v_tensor = a.kv.v_tensor_scale ? *a.kv.v_tensor_scale : 1.0f;
+  // bf16 caches have no scales (checked in src/core/inference.cpp).
+  const float k_tensor = kFp8 && a.kv.k_tensor_scale ? *a.kv.k_tensor_scale : 1.0f;
+  const float v_tensor = kFp8 && a.kv.v_tensor_scale ? *a.kv.v_tensor_scale : 1.0f;
   uint32_t qa[8][4];
   float qk[2] = {0.0f, 0.0f};
-  if (active) load_query(a, r0 + row, g, lane, a.softmax_scale * k_tensor * math::kLog2e, qa, qk);
+  if (active) {
+    if constexpr (kFp8) load_query(a, r0 + row, g, lane, a.softmax_scale * k_tensor * math::kLog2e, qa, qk);
+    else load_query_bf16(a, r0 + row, g, lane, a.softmax_scale * math::kLog2e, qa, qk);
+  }
 
   RowState st;
 #pragma unroll
@@ -294,20 +372,28 @@ __global__ void __maxnreg__(224)
   st.m[0] = st.m[1] = -INFINITY;
   st.l[0] = st.l[1] = 0.0f;
   int seen = 0;  // pages of the split this row selected so far
-  const uint8_t* ring = smem_raw + (base - smem_addr(smem_raw)) + offsetof(RowsStorage, stage);
+  const uint8_t* ring = smem_raw + (base - smem_addr(smem_raw)) + offsetof(Storage, ring);
+  const uint32_t ring_addr = base + uint32_t(offsetof(Storage, ring));
   for (int u = 0; u < pages; ++u) {
-    const int s = u % kStages;
+    const int s = u % Page::kStages;
     const bool mine = active && ((sm.pages.page_rows[u] >> row) & 1u);
     const bool computes = mine && (seen++ % W) == turn;  // warp-uniform
-    mbar_wait(smem_addr(&sm.full[s]), (u / kStages) & 1);
+    mbar_wait(smem_addr(&sm.full[s]), (u / Page::kStages) & 1);
     if (computes) {
       const int limit = visible_keys(pos, sm.pages.page_logical[u]);
-      const uint8_t* page = ring + s * sizeof(CodePage);
       float sc[16][4];
       uint32_t pa[8][4];
-      page_scores(page, qa, sc, lane);
-      softmax_page(st, sc, pa, limit, qk, lane & 3);
-      page_values(st, page + kSideBytes, pa, limit, lane);
+      if constexpr (kFp8) {
+        const uint8_t* page = ring + s * 2 * Page::kSideBytes;
+        page_scores(page, qa, sc, lane);
+        softmax_page<true>(st, sc, pa, limit, qk, lane & 3);
+        page_values(st, page + Page::kSideBytes, pa, limit, lane);
+      } else {
+        const uint32_t page = ring_addr + uint32_t(s * 2 * Page::kSideBytes);
+        page_scores_bf16(page, qa, sc, lane);
+        softmax_page<false>(st, sc, pa, limit, qk, lane & 3);
+        page_values_bf16(st, page + Page::kSideBytes, pa, limit, lane);
+      }
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(smem_addr(&sm.empty[s]));
@@ -355,7 +441,8 @@ __global__ void __maxnreg__(224)
   if (!active) return;
 
   // 5. The row's outputs (normalised) and LSE, or its split's partial. A lane's dims for head
-  // gid + 8h: 64 hh + 16 q + i (n-tile 8 hh + i, column 2q) and + 8 (column 2q + 1).
+  // gid + 8h: FP8, 64 hh + 16 q + i (n-tile 8 hh + i, column 2q) and + 8 (column 2q + 1), runs
+  // of 8; bf16, 8t + 2q and + 1 (n-tile t), pairs.
   const int quad = lane & 3, gid = lane >> 2;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -367,53 +454,80 @@ __global__ void __maxnreg__(224)
       if (a.splits == 1) a.lse[rh] = state.lse();
       else a.part_lse[int64_t(split) * a.total_q * a.hq + rh] = state.lse();
     }
+    if constexpr (!kFp8) {
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh)
-#pragma unroll
-      for (int col = 0; col < 2; ++col) {
-        const int d0 = 64 * hh + 16 * quad + 8 * col;
-        float x[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) x[i] = st.o[8 * hh + i][2 * h + col] * inv;
+      for (int t = 0; t < 16; ++t) {
+        const int d = 8 * t + 2 * quad;
+        const float x0 = st.o[t][2 * h] * inv, x1 = st.o[t][2 * h + 1] * inv;
         if (a.splits > 1) {
-          float4* dst = reinterpret_cast<float4*>(a.part_out + (int64_t(split) * a.total_q * a.hq + rh) * kHeadDim + d0);
-          dst[0] = make_float4(x[0], x[1], x[2], x[3]);
-          dst[1] = make_float4(x[4], x[5], x[6], x[7]);
+          *reinterpret_cast<float2*>(a.part_out + (int64_t(split) * a.total_q * a.hq + rh) * kHeadDim + d) =
+              make_float2(x0, x1);
         } else if (a.out_f32) {
-          float4* dst = reinterpret_cast<float4*>(static_cast<float*>(a.out) + rh * kHeadDim + d0);
-          dst[0] = make_float4(x[0], x[1], x[2], x[3]);
-          dst[1] = make_float4(x[4], x[5], x[6], x[7]);
+          *reinterpret_cast<float2*>(static_cast<float*>(a.out) + rh * kHeadDim + d) = make_float2(x0, x1);
         } else {
-          *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(a.out) + rh * kHeadDim + d0) =
-              make_uint4(pack_bf16(x[0], x[1]), pack_bf16(x[2], x[3]), pack_bf16(x[4], x[5]), pack_bf16(x[6], x[7]));
+          *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(a.out) + rh * kHeadDim + d) = pack_bf16(x0, x1);
         }
       }
+    } else {
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+        for (int col = 0; col < 2; ++col) {
+          const int d0 = 64 * hh + 16 * quad + 8 * col;
+          float x[8];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) x[i] = st.o[8 * hh + i][2 * h + col] * inv;
+          if (a.splits > 1) {
+            float4* dst = reinterpret_cast<float4*>(a.part_out + (int64_t(split) * a.total_q * a.hq + rh) * kHeadDim + d0);
+            dst[0] = make_float4(x[0], x[1], x[2], x[3]);
+            dst[1] = make_float4(x[4], x[5], x[6], x[7]);
+          } else if (a.out_f32) {
+            float4* dst = reinterpret_cast<float4*>(static_cast<float*>(a.out) + rh * kHeadDim + d0);
+            dst[0] = make_float4(x[0], x[1], x[2], x[3]);
+            dst[1] = make_float4(x[4], x[5], x[6], x[7]);
+          } else {
+            *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(a.out) + rh * kHeadDim + d0) =
+                make_uint4(pack_bf16(x[0], x[1]), pack_bf16(x[2], x[3]), pack_bf16(x[4], x[5]), pack_bf16(x[6], x[7]));
+          }
+        }
+    }
   }
 }
 
+template <KvFormat F>
 void configure() {
   static std::once_flag once;
   std::call_once(once, [] {
-    MSA_CUDA_CHECK(cudaFuncSetAttribute(paged_decode_rows_kernel<>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        kStorageBytes));
+    MSA_CUDA_CHECK(cudaFuncSetAttribute(paged_decode_rows_kernel<F>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        storage_bytes<F>()));
   });
+}
+
+template <KvFormat F>
+void launch(const AttnArgs& a, const CUtensorMap& k_map, const CUtensorMap& v_map, dim3 grid, cudaStream_t stream) {
+  configure<F>();
+  launch_programmatic("paged_decode_rows_kernel launch", paged_decode_rows_kernel<F>, grid, dim3(kThreads),
+                      size_t(storage_bytes<F>()), stream, a, k_map, v_map);
+}
+
+template <KvFormat F>
+int ctas_per_sm() {
+  configure<F>();
+  int n = 0;
+  MSA_CUDA_CHECK(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, paged_decode_rows_kernel<F>, kThreads, storage_bytes<F>()));
+  return n;
 }
 
 }  // namespace
 
-void launch_rows(const AttnArgs& a, const CUtensorMap& k_map, const CUtensorMap& v_map, dim3 grid,
+void launch_rows(KvFormat f, const AttnArgs& a, const CUtensorMap& k_map, const CUtensorMap& v_map, dim3 grid,
                  cudaStream_t stream) {
-  configure();
-  launch_programmatic("paged_decode_rows_kernel launch", paged_decode_rows_kernel<>, grid, dim3(kThreads),
-                      size_t(kStorageBytes), stream, a, k_map, v_map);
+  detail::require(f != KvFormat::nvfp4, "paged_decode_rows_kernel: NVFP4 caches run on the mma.sync page kernel");
+  if (f == KvFormat::bf16) launch<KvFormat::bf16>(a, k_map, v_map, grid, stream);
+  else launch<KvFormat::fp8_e4m3>(a, k_map, v_map, grid, stream);
 }
 
-int rows_ctas_per_sm() {
-  configure();
-  int n = 0;
-  MSA_CUDA_CHECK(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, paged_decode_rows_kernel<>, kThreads, kStorageBytes));
-  return n;
-}
+int rows_ctas_per_sm() { return std::min(ctas_per_sm<KvFormat::bf16>(), ctas_per_sm<KvFormat::fp8_e4m3>()); }
 
 }  // namespace msa::cuda::decode
