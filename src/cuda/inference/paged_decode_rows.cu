@@ -1,5 +1,5 @@
-// Decode attention over a bf16 or FP8 paged cache (per-tensor scales) with one warp per query
-// row and only the pages that row selected (sm_90a; paged_attention.cu dispatches here).
+// Decode attention over a bf16 or FP8 paged cache with one warp per query row and only the
+// pages that row selected (sm_90a; paged_attention.cu dispatches here).
 //
 // The warpgroup kernel (paged_decode_wgmma.cu) multiplies a page for 4 rows x 16 heads at once
 // whichever of the 4 rows selected it; when a request's rows select different pages (as the
@@ -17,6 +17,11 @@
 //                           (cvt.f16x2.e4m3x2, exact: f16 holds every E4M3 value); the online
 //                           softmax in registers; O += P V with P in f16 and the V codes of 4
 //                           keys byte-permuted into (key pair, dim) words and converted likewise.
+//
+// Per-(head, token) FP8 scales come with the page (the producer warp's cp.async, tracked by the
+// page's `full` barrier): the K scale multiplies each logit, the V scale each probability fed to
+// P V, divided by the warp's running largest V scale R so that P stays in [0, 1] for f16 (the
+// accumulators are kept in units of R and rescaled when R grows, with the softmax's alpha).
 //
 // bf16 pages take the usual ldmatrix fragments (load_b_nk / load_b_kn, device.cuh) and bf16
 // products; the rest of this note is about FP8 codes.
@@ -65,13 +70,15 @@ struct RowsPage {
 };
 
 // Shared memory from a 1024-byte aligned base. Barriers per stage:
-//   full   the page's TMA boxes have landed (1 arrival + bytes)
+//   full   the page's TMA boxes have landed (1 arrival + bytes), and with per-token scales the
+//          producer lanes' copies of them (32 more arrivals)
 //   empty  every consumer warp is done with it (kRowWarps arrivals)
 // After the pages, the ring holds the warps' states for the combination of a row's warps.
 template <KvFormat F>
 struct RowsStorage {
   static constexpr int kStages = RowsPage<F>::kStages;
   alignas(1024) uint8_t ring[kRingBytes];
+  float token_scale[kStages][2][kPageSize];  // per-token scales of the stage's K, V (per-token instances)
   SplitPages pages;
   TableRow table;
   uint64_t full[kStages];
@@ -98,20 +105,35 @@ __device__ __forceinline__ uint2 ld_codes8(const uint8_t* side, int t, int b) {
   return *reinterpret_cast<const uint2*>(side + code_offset(t, b));
 }
 
-// Producer, one thread: the split's pages in order, K and V of KV head g.
-template <KvFormat F>
-__device__ __forceinline__ void issue_pages(RowsStorage<F>& sm, uint32_t base, const CUtensorMap* k_map,
-                                            const CUtensorMap* v_map, int g, int pages) {
+// Producer warp: the split's pages in order, K and V of KV head g (lane 0's TMA), with
+// per-token scales every lane's share of the page's 2 x 128 scales (4-byte cp.async: a scale
+// row's stride need not be a multiple of 4).
+template <KvFormat F, bool PerToken>
+__device__ __forceinline__ void issue_pages(const AttnArgs& a, RowsStorage<F>& sm, uint32_t base,
+                                            const CUtensorMap* k_map, const CUtensorMap* v_map, int g, int pages,
+                                            int lane) {
   using Page = RowsPage<F>;
   constexpr int S = Page::kStages, kBoxBytes = Page::kSideBytes / Page::kBoxes;
   const uint64_t policy = l2_evict_first();
   for (int u = 0; u < pages; ++u) {
     const int s = u % S;
+    if (!PerToken && lane > 0) break;
     if (u >= S) mbar_wait(smem_addr(&sm.empty[s]), ((u / S) - 1) & 1);
     const uint32_t full = smem_addr(&sm.full[s]);
+    const int32_t phys = sm.pages.page_physical[u];
+    if constexpr (PerToken) {
+      const int64_t slot0 = int64_t(phys) * kPageSize;
+#pragma unroll
+      for (int i = lane; i < 2 * kPageSize; i += 32) {
+        const int side = i / kPageSize, t = i % kPageSize;
+        const float* src = side ? a.kv.v_token_scale + g * a.kv.v_token_stride : a.kv.k_token_scale + g * a.kv.k_token_stride;
+        cp_async4(smem_addr(&sm.token_scale[s][side][t]), src + slot0 + t);
+      }
+      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full) : "memory");
+    }
+    if (lane > 0) continue;
     mbar_arrive_expect_tx(full, 2 * Page::kSideBytes);
     const uint32_t dst = base + uint32_t(offsetof(RowsStorage<F>, ring) + s * 2 * Page::kSideBytes);
-    const int32_t phys = sm.pages.page_physical[u];
 #pragma unroll
     for (int box = 0; box < Page::kBoxes; ++box) {
       tma_load_4d(dst + box * kBoxBytes, k_map, box * 64, 0, g, phys, full, policy);
@@ -242,19 +264,37 @@ __device__ __forceinline__ void page_values_bf16(RowState& st, uint32_t v_tile, 
 
 // The online-softmax step over a page (keys past `limit` at -inf) -> the rescaled state and P
 // as A fragments of P V's 8 k16 steps (f16 with kF16, else bf16).
+// `k_scale` / `v_scale`: the page's per-token scales (nullptr without); `v_run`: the warp's
+// running largest V scale of the keys it read (per-token only), which P is divided by.
 template <bool kF16>
 __device__ __forceinline__ void softmax_page(RowState& st, float (&s)[16][4], uint32_t (&pa)[8][4], int limit,
-                                             const float (&qk)[2], int quad) {
+                                             const float (&qk)[2], int quad, const float* k_scale = nullptr,
+                                             const float* v_scale = nullptr, float* v_run = nullptr) {
   float mx[2] = {-INFINITY, -INFINITY};
+  float vmax = 0.0f;
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
     const int t = 8 * j + 2 * quad;
+    const float2 ks = k_scale ? *reinterpret_cast<const float2*>(k_scale + t) : make_float2(1.0f, 1.0f);
+    if (v_scale) {
+      const float2 vs = *reinterpret_cast<const float2*>(v_scale + t);
+      if (t < limit) vmax = fmaxf(vmax, vs.x);
+      if (t + 1 < limit) vmax = fmaxf(vmax, vs.y);
+    }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const float x = t + (e & 1) < limit ? s[j][e] * qk[e >> 1] : -INFINITY;
+      const float x = t + (e & 1) < limit ? s[j][e] * qk[e >> 1] * ((e & 1) ? ks.y : ks.x) : -INFINITY;
       s[j][e] = x;
       mx[e >> 1] = fmaxf(mx[e >> 1], x);
     }
+  }
+  // With V scales: the accumulators go to units of the new running largest scale.
+  float v_ratio = 1.0f, v_inv = 1.0f;
+  if (v_scale) {
+    const float run = fmaxf(*v_run, warp_max4(vmax));
+    v_ratio = run > 0.0f ? *v_run / run : 0.0f;
+    v_inv = run > 0.0f ? 1.0f / run : 0.0f;
+    *v_run = run;
   }
   float use[2];
 #pragma unroll
@@ -262,22 +302,30 @@ __device__ __forceinline__ void softmax_page(RowState& st, float (&s)[16][4], ui
     const float mnew = fmaxf(st.m[h], warp_max4(mx[h]));
     use[h] = mnew == -INFINITY ? 0.0f : mnew;
     const float alpha = fast_exp2(st.m[h] - use[h]);
+    const float o_alpha = alpha * v_ratio;
     st.m[h] = mnew;
     st.l[h] *= alpha;
 #pragma unroll
     for (int t = 0; t < 16; ++t) {
-      st.o[t][2 * h] *= alpha;
-      st.o[t][2 * h + 1] *= alpha;
+      st.o[t][2 * h] *= o_alpha;
+      st.o[t][2 * h + 1] *= o_alpha;
     }
   }
 #pragma unroll
   for (int j = 0; j < 16; ++j) {
+    const int t = 8 * j + 2 * quad;
     const float p0 = fast_exp2(s[j][0] - use[0]), p1 = fast_exp2(s[j][1] - use[0]);
     const float p2 = fast_exp2(s[j][2] - use[1]), p3 = fast_exp2(s[j][3] - use[1]);
     st.l[0] += p0 + p1;
     st.l[1] += p2 + p3;
-    pa[j / 2][2 * (j & 1)] = kF16 ? pack_f16(p0, p1) : pack_bf16(p0, p1);
-    pa[j / 2][2 * (j & 1) + 1] = kF16 ? pack_f16(p2, p3) : pack_bf16(p2, p3);
+    // Keys past the limit feed P V nothing: their scale slots may hold garbage (0 * inf is NaN).
+    float2 w = make_float2(1.0f, 1.0f);
+    if (v_scale) {
+      const float2 vs = *reinterpret_cast<const float2*>(v_scale + t);
+      w = make_float2(t < limit ? vs.x * v_inv : 0.0f, t + 1 < limit ? vs.y * v_inv : 0.0f);
+    }
+    pa[j / 2][2 * (j & 1)] = kF16 ? pack_f16(p0 * w.x, p1 * w.y) : pack_bf16(p0 * w.x, p1 * w.y);
+    pa[j / 2][2 * (j & 1) + 1] = kF16 ? pack_f16(p2 * w.x, p3 * w.y) : pack_bf16(p2 * w.x, p3 * w.y);
   }
 }
 
@@ -318,7 +366,7 @@ __device__ __forceinline__ void page_values(RowState& st, const uint8_t* v_side,
   }
 }
 
-template <KvFormat F>
+template <KvFormat F, bool PerToken>
 __global__ void __maxnreg__(224)
     paged_decode_rows_kernel(const AttnArgs a, const __grid_constant__ CUtensorMap k_map,
                              const __grid_constant__ CUtensorMap v_map) {
@@ -336,7 +384,7 @@ __global__ void __maxnreg__(224)
   // 1. Barriers, row positions, the split's distinct pages.
   if (tid == 0) {
     for (int i = 0; i < Page::kStages; ++i) {
-      mbar_init(smem_addr(&sm.full[i]), 1);
+      mbar_init(smem_addr(&sm.full[i]), PerToken ? 1 + 32 : 1);
       mbar_init(smem_addr(&sm.empty[i]), kRowWarps);
     }
   }
@@ -347,7 +395,7 @@ __global__ void __maxnreg__(224)
   __syncthreads();
 
   if (warp == kRowWarps) {  // 2. the producer
-    if (lane == 0) issue_pages(sm, base, &k_map, &v_map, g, pages);
+    issue_pages<F, PerToken>(a, sm, base, &k_map, &v_map, g, pages, lane);
     return;
   }
 
@@ -371,7 +419,8 @@ __global__ void __maxnreg__(224)
   for (int t = 0; t < 16; ++t) st.o[t][0] = st.o[t][1] = st.o[t][2] = st.o[t][3] = 0.0f;
   st.m[0] = st.m[1] = -INFINITY;
   st.l[0] = st.l[1] = 0.0f;
-  int seen = 0;  // pages of the split this row selected so far
+  float v_run = 0.0f;  // per-token V scales: the largest this warp has read (the accumulators' unit)
+  int seen = 0;        // pages of the split this row selected so far
   const uint8_t* ring = smem_raw + (base - smem_addr(smem_raw)) + offsetof(Storage, ring);
   const uint32_t ring_addr = base + uint32_t(offsetof(Storage, ring));
   for (int u = 0; u < pages; ++u) {
@@ -386,7 +435,10 @@ __global__ void __maxnreg__(224)
       if constexpr (kFp8) {
         const uint8_t* page = ring + s * 2 * Page::kSideBytes;
         page_scores(page, qa, sc, lane);
-        softmax_page<true>(st, sc, pa, limit, qk, lane & 3);
+        if constexpr (PerToken)
+          softmax_page<true>(st, sc, pa, limit, qk, lane & 3, sm.token_scale[s][0], sm.token_scale[s][1], &v_run);
+        else
+          softmax_page<true>(st, sc, pa, limit, qk, lane & 3);
         page_values(st, page + Page::kSideBytes, pa, limit, lane);
       } else {
         const uint32_t page = ring_addr + uint32_t(s * 2 * Page::kSideBytes);
@@ -400,6 +452,12 @@ __global__ void __maxnreg__(224)
   }
 #pragma unroll
   for (int h = 0; h < 2; ++h) st.l[h] = warp_sum4(st.l[h]);
+  if constexpr (PerToken) {  // the accumulators back from units of v_run
+#pragma unroll
+    for (int t = 0; t < 16; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st.o[t][e] *= v_run;
+  }
 
   // 4. A row's W warps combine their states through the drained ring (the first warp of the
   // row holds the result).
@@ -494,28 +552,28 @@ __global__ void __maxnreg__(224)
   }
 }
 
-template <KvFormat F>
+template <KvFormat F, bool PerToken>
 void configure() {
   static std::once_flag once;
   std::call_once(once, [] {
-    MSA_CUDA_CHECK(cudaFuncSetAttribute(paged_decode_rows_kernel<F>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        storage_bytes<F>()));
+    MSA_CUDA_CHECK(cudaFuncSetAttribute(paged_decode_rows_kernel<F, PerToken>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, storage_bytes<F>()));
   });
 }
 
-template <KvFormat F>
+template <KvFormat F, bool PerToken>
 void launch(const AttnArgs& a, const CUtensorMap& k_map, const CUtensorMap& v_map, dim3 grid, cudaStream_t stream) {
-  configure<F>();
-  launch_programmatic("paged_decode_rows_kernel launch", paged_decode_rows_kernel<F>, grid, dim3(kThreads),
+  configure<F, PerToken>();
+  launch_programmatic("paged_decode_rows_kernel launch", paged_decode_rows_kernel<F, PerToken>, grid, dim3(kThreads),
                       size_t(storage_bytes<F>()), stream, a, k_map, v_map);
 }
 
-template <KvFormat F>
+template <KvFormat F, bool PerToken>
 int ctas_per_sm() {
-  configure<F>();
+  configure<F, PerToken>();
   int n = 0;
-  MSA_CUDA_CHECK(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, paged_decode_rows_kernel<F>, kThreads, storage_bytes<F>()));
+  MSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, paged_decode_rows_kernel<F, PerToken>, kThreads,
+                                                               storage_bytes<F>()));
   return n;
 }
 
@@ -524,10 +582,14 @@ int ctas_per_sm() {
 void launch_rows(KvFormat f, const AttnArgs& a, const CUtensorMap& k_map, const CUtensorMap& v_map, dim3 grid,
                  cudaStream_t stream) {
   detail::require(f != KvFormat::nvfp4, "paged_decode_rows_kernel: NVFP4 caches run on the mma.sync page kernel");
-  if (f == KvFormat::bf16) launch<KvFormat::bf16>(a, k_map, v_map, grid, stream);
-  else launch<KvFormat::fp8_e4m3>(a, k_map, v_map, grid, stream);
+  if (f == KvFormat::bf16) launch<KvFormat::bf16, false>(a, k_map, v_map, grid, stream);
+  else if (a.kv.k_token_scale) launch<KvFormat::fp8_e4m3, true>(a, k_map, v_map, grid, stream);
+  else launch<KvFormat::fp8_e4m3, false>(a, k_map, v_map, grid, stream);
 }
 
-int rows_ctas_per_sm() { return std::min(ctas_per_sm<KvFormat::bf16>(), ctas_per_sm<KvFormat::fp8_e4m3>()); }
+int rows_ctas_per_sm() {
+  return std::min({ctas_per_sm<KvFormat::bf16, false>(), ctas_per_sm<KvFormat::fp8_e4m3, false>(),
+                   ctas_per_sm<KvFormat::fp8_e4m3, true>()});
+}
 
 }  // namespace msa::cuda::decode
