@@ -63,9 +63,11 @@ CUtensorMap paged_cache_map(const void* base, int64_t pages, int64_t heads, int 
   const cuuint32_t box[4] = {cuuint32_t(bf16 ? 64 : row_bytes), 128, 1, 1};
   const std::string shape = std::to_string(pages) + " pages x " + std::to_string(heads) + " heads";
   if (bf16) return encode_bf16(4, base, dims, strides, box, what, shape);
-  const bool swizzle = swizzled && row_bytes == 128;
-  return encode(CU_TENSOR_MAP_DATA_TYPE_UINT8, swizzle ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_NONE, 4, base,
-                dims, strides, box, what, shape);
+  const CUtensorMapSwizzle swizzle = !swizzled         ? CU_TENSOR_MAP_SWIZZLE_NONE
+                                     : row_bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B
+                                     : row_bytes == 64  ? CU_TENSOR_MAP_SWIZZLE_64B
+                                                        : CU_TENSOR_MAP_SWIZZLE_NONE;
+  return encode(CU_TENSOR_MAP_DATA_TYPE_UINT8, swizzle, 4, base, dims, strides, box, what, shape);
 }
 
 CUtensorMap bf16_row_tile_map(const void* base, int64_t rows, int box_rows, const char* what) {

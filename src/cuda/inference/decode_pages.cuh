@@ -172,9 +172,9 @@ void launch_wgmma(KvFormat f, const AttnArgs& a, const CUtensorMap& k_map, const
 // CTAs of that kernel an SM holds at once (the fewest over its formats).
 int wgmma_ctas_per_sm(int rows_per_tile);
 
-// The row-warp kernel (paged_decode_rows.cu): bf16 caches and FP8 caches with per-tensor
-// scales; the same grid; FP8 page maps with the 128-byte swizzle (paged_cache_map(..,
-// swizzled = true)). Splits > 1 leave partials for merge_states.
+// The row-warp kernel (paged_decode_rows.cu): every format; the same grid; FP8 / NVFP4 page
+// maps swizzled (paged_cache_map(.., swizzled = true)). Splits > 1 leave partials for
+// merge_states.
 void launch_rows(KvFormat f, const AttnArgs& a, const CUtensorMap& k_map, const CUtensorMap& v_map, dim3 grid,
                  cudaStream_t stream);
 int rows_ctas_per_sm();

@@ -527,10 +527,10 @@ void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, c
   a.kv = paged_kv_source(plan, c);
   // One TMA map per side (strides are 16-byte multiples: checked with the rows' alignment).
   const int row_bytes = c.format == KvFormat::bf16 ? kHeadDim * 2 : c.format == KvFormat::fp8_e4m3 ? kHeadDim : kNvfp4RowBytes;
-  // The row-warp kernel: FP8 (its codes land 128-byte swizzled), and bf16 tiles of 1 or 2 rows
-  // (the warpgroup kernel's 64-row products are 3/4 or 7/8 idle).
+  // The row-warp kernel: FP8 and NVFP4 (their codes land swizzled), and bf16 tiles of 1 or 2
+  // rows (the warpgroup kernel's 64-row products are 3/4 or 7/8 idle).
   const int tile_rows = detail::decode_tile_rows(plan.q_len_per_req);
-  const bool rows_kernel = c.format == KvFormat::fp8_e4m3 || (c.format == KvFormat::bf16 && tile_rows <= 2);
+  const bool rows_kernel = c.format != KvFormat::bf16 || tile_rows <= 2;
   const CUtensorMap k_map = paged_cache_map(a.kv.k, c.k.shape[0], c.k.shape[1], row_bytes, a.kv.k_page, a.kv.k_head,
                                             a.kv.k_row, "k_cache", rows_kernel);
   const CUtensorMap v_map = paged_cache_map(a.kv.v, c.v.shape[0], c.v.shape[1], row_bytes, a.kv.v_page, a.kv.v_head,

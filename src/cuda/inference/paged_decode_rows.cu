@@ -1,5 +1,5 @@
-// Decode attention over a bf16 or FP8 paged cache with one warp per query row and only the
-// pages that row selected (sm_90a; paged_attention.cu dispatches here).
+// Decode attention over a bf16, FP8 or NVFP4 paged cache with one warp per query row and only
+// the pages that row selected (sm_90a; paged_attention.cu dispatches here).
 //
 // The warpgroup kernel (paged_decode_wgmma.cu) multiplies a page for 4 rows x 16 heads at once
 // whichever of the 4 rows selected it; when a request's rows select different pages (as the
@@ -22,6 +22,13 @@
 // page's `full` barrier): the K scale multiplies each logit, the V scale each probability fed to
 // P V, divided by the warp's running largest V scale R so that P stays in [0, 1] for f16 (the
 // accumulators are kept in units of R and rescaled when R grows, with the softmax's alpha).
+//
+// NVFP4 pages become the same E4M3 codes in registers: a CTA table holds, per block-scale code,
+// the 8 codes E4M3(clamp(m * scale, +-448)) of the E2M1 magnitudes m (the format's rounded
+// product, §9.6 of docs/semantics.md), so that 8 E2M1 codes of one 16-element block turn into
+// their E4M3 codes with two byte permutes of that entry and two for the signs; the global scale
+// then acts as FP8's per-tensor scale. Codes land with the 64-byte swizzle, block scales by the
+// producer warp's cp.async.
 //
 // bf16 pages take the usual ldmatrix fragments (load_b_nk / load_b_kn, device.cuh) and bf16
 // products; the rest of this note is about FP8 codes.
@@ -57,16 +64,19 @@ using model::kHeadDim;
 constexpr int kRowWarps = 8;                          // consumer warps
 constexpr int kThreads = 32 * (kRowWarps + 1);        // + the producer warp
 constexpr int kSharedLimit = 227 * 1024;
-constexpr int kRingBytes = 192 * 1024;                // the page ring
+constexpr int kRingBytes = 192 * 1024;                // the page ring (NVFP4: 128 KB, for its block scales)
 static_assert(kMaxTileRows <= kRowWarps, "a warp (at least) per tile row");
 
 // A page of the format: side 0 = K, 1 = V. FP8: token t's 128 codes at 128 t, 16-byte chunk c at
-// c ^ (t % 8); bf16: two column halves of 128 x 128 bytes each, as tile_offset (device.cuh).
+// c ^ (t % 8); NVFP4: token t's 64 bytes at 64 t, chunk c at c ^ ((t / 2) % 4); bf16: two column
+// halves of 128 x 128 bytes each, as tile_offset (device.cuh).
 template <KvFormat F>
 struct RowsPage {
-  static constexpr int kSideBytes = kPageSize * kHeadDim * (F == KvFormat::bf16 ? 2 : 1);
+  static constexpr bool kFp4 = F == KvFormat::nvfp4;
+  static constexpr int kSideBytes = F == KvFormat::bf16 ? kPageSize * kHeadDim * 2 : kFp4 ? kPageSize * kNvfp4RowBytes : kPageSize * kHeadDim;
   static constexpr int kBoxes = F == KvFormat::bf16 ? 2 : 1;  // TMA boxes a side
-  static constexpr int kStages = kRingBytes / (2 * kSideBytes);
+  static constexpr int kRing = kFp4 ? 128 * 1024 : kRingBytes;
+  static constexpr int kStages = kRing / (2 * kSideBytes);
 };
 
 // Shared memory from a 1024-byte aligned base. Barriers per stage:
@@ -77,8 +87,11 @@ struct RowsPage {
 template <KvFormat F>
 struct RowsStorage {
   static constexpr int kStages = RowsPage<F>::kStages;
-  alignas(1024) uint8_t ring[kRingBytes];
-  float token_scale[kStages][2][kPageSize];  // per-token scales of the stage's K, V (per-token instances)
+  static constexpr bool kFp4 = RowsPage<F>::kFp4;
+  alignas(1024) uint8_t ring[RowsPage<F>::kRing];
+  float token_scale[F == KvFormat::fp8_e4m3 ? kStages : 0][2][kPageSize];  // FP8 per-token scales of K, V
+  uint8_t block_scale[kFp4 ? kStages : 0][2][kPageSize][kNvfp4RowScales];  // NVFP4: of K, V
+  uint2 fp4_codes[kFp4 ? 256 : 0];  // NVFP4: block-scale code -> E4M3 codes of m * scale, m = 0, .5, .., 6
   SplitPages pages;
   TableRow table;
   uint64_t full[kStages];
@@ -89,12 +102,13 @@ template <KvFormat F>
 constexpr int storage_bytes() {
   return 1024 + int(sizeof(RowsStorage<F>));
 }
-static_assert(storage_bytes<KvFormat::bf16>() <= kSharedLimit && storage_bytes<KvFormat::fp8_e4m3>() <= kSharedLimit,
+static_assert(storage_bytes<KvFormat::bf16>() <= kSharedLimit && storage_bytes<KvFormat::fp8_e4m3>() <= kSharedLimit &&
+                  storage_bytes<KvFormat::nvfp4>() <= kSharedLimit,
               "paged_decode_rows_kernel: shared memory");
 
 // A warp's state in the ring for the combination: per lane, 64 accumulators, 2 maxima, 2 sums.
 constexpr int kStateFloats = 68;
-static_assert(kRowWarps * kStateFloats * 32 * 4 <= kRingBytes, "the states fit in the ring");
+static_assert(kRowWarps * kStateFloats * 32 * 4 <= 128 * 1024, "the states fit in the ring");
 
 // Byte b of token t's row in a side.
 __device__ __forceinline__ uint32_t code_offset(int t, int b) {
@@ -104,6 +118,36 @@ __device__ __forceinline__ uint32_t code_offset(int t, int b) {
 __device__ __forceinline__ uint2 ld_codes8(const uint8_t* side, int t, int b) {
   return *reinterpret_cast<const uint2*>(side + code_offset(t, b));
 }
+
+// NVFP4: byte b of token t's 64-byte row in a side.
+__device__ __forceinline__ uint32_t fp4_offset(int t, int b) {
+  return uint32_t(t * 64 + ((((b >> 4) ^ ((t >> 1) & 3))) << 4) + (b & 15));
+}
+
+// The E4M3 codes of 8 E2M1 codes (element 2i in the low nibble of byte i) of one block whose
+// scale's table entry is `entry`: magnitudes by byte permutes of the entry, signs XORed in.
+__device__ __forceinline__ uint2 fp4_to_e4m3x8(uint32_t codes, uint2 entry) {
+  const uint32_t mx = __byte_perm(entry.x, entry.y, codes & 0x7777u);
+  const uint32_t my = __byte_perm(entry.x, entry.y, (codes >> 16) & 0x7777u);
+  const uint32_t sx = __byte_perm(0x00008000u, 0u, (codes >> 3) & 0x1111u);
+  const uint32_t sy = __byte_perm(0x00008000u, 0u, (codes >> 19) & 0x1111u);
+  return make_uint2(mx ^ sx, my ^ sy);
+}
+
+// The 8 E4M3 codes of dims d0 .. d0 + 7 of token t (d0 % 8 == 0), whatever the side's format.
+struct Fp8Codes {
+  const uint8_t* side;
+  __device__ __forceinline__ uint2 operator()(int t, int d0) const { return ld_codes8(side, t, d0); }
+};
+struct Fp4Codes {
+  const uint8_t* side;
+  const uint8_t (*scales)[kNvfp4RowScales];  // the side's block scales [128][8]
+  const uint2* table;                        // RowsStorage::fp4_codes
+  __device__ __forceinline__ uint2 operator()(int t, int d0) const {
+    const uint32_t codes = *reinterpret_cast<const uint32_t*>(side + fp4_offset(t, d0 / 2));
+    return fp4_to_e4m3x8(codes, table[scales[t][d0 / kNvfp4GroupSize]]);
+  }
+};
 
 // Producer warp: the split's pages in order, K and V of KV head g (lane 0's TMA), with
 // per-token scales every lane's share of the page's 2 x 128 scales (4-byte cp.async: a scale
@@ -117,10 +161,20 @@ __device__ __forceinline__ void issue_pages(const AttnArgs& a, RowsStorage<F>& s
   const uint64_t policy = l2_evict_first();
   for (int u = 0; u < pages; ++u) {
     const int s = u % S;
-    if (!PerToken && lane > 0) break;
+    if (!PerToken && !Page::kFp4 && lane > 0) break;
     if (u >= S) mbar_wait(smem_addr(&sm.empty[s]), ((u / S) - 1) & 1);
     const uint32_t full = smem_addr(&sm.full[s]);
     const int32_t phys = sm.pages.page_physical[u];
+    if constexpr (Page::kFp4) {
+#pragma unroll
+      for (int i = lane; i < 2 * kPageSize; i += 32) {
+        const int side = i / kPageSize, t = i % kPageSize;
+        const uint8_t* src = side ? a.kv.v_block_scale + phys * a.kv.vsf_page + g * a.kv.vsf_head + t * a.kv.vsf_row
+                                  : a.kv.k_block_scale + phys * a.kv.ksf_page + g * a.kv.ksf_head + t * a.kv.ksf_row;
+        inference::cp_async8(smem_addr(&sm.block_scale[s][side][t][0]), src, kNvfp4RowScales);
+      }
+      asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(full) : "memory");
+    }
     if constexpr (PerToken) {
       const int64_t slot0 = int64_t(phys) * kPageSize;
 #pragma unroll
@@ -196,8 +250,10 @@ __device__ __forceinline__ void load_query(const AttnArgs& a, int64_t r, int g, 
   }
 }
 
-// S = Q K^T over a page's 128 keys (n-tile j: keys 8j ..; this lane's key 8j + gid).
-__device__ __forceinline__ void page_scores(const uint8_t* k_side, const uint32_t (&qa)[8][4], float (&s)[16][4],
+// S = Q K^T over a page's 128 keys (n-tile j: keys 8j ..; this lane's key 8j + gid); `codes`:
+// Fp8Codes or Fp4Codes of the K side.
+template <typename Codes>
+__device__ __forceinline__ void page_scores(const Codes& codes, const uint32_t (&qa)[8][4], float (&s)[16][4],
                                             int lane) {
   const int quad = lane & 3, gid = lane >> 2;
 #pragma unroll
@@ -205,7 +261,7 @@ __device__ __forceinline__ void page_scores(const uint8_t* k_side, const uint32_
     s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.0f;
 #pragma unroll
     for (int p = 0; p < 4; ++p) {
-      const uint2 w = ld_codes8(k_side, 8 * j + gid, 32 * p + 8 * quad);
+      const uint2 w = codes(8 * j + gid, 32 * p + 8 * quad);
       mma_16816<true>(s[j], qa[2 * p], inference::e4m3x2_to_f16x2(w.x), inference::e4m3x2_to_f16x2(w.x >> 16));
       mma_16816<true>(s[j], qa[2 * p + 1], inference::e4m3x2_to_f16x2(w.y), inference::e4m3x2_to_f16x2(w.y >> 16));
     }
@@ -331,7 +387,8 @@ __device__ __forceinline__ void softmax_page(RowState& st, float (&s)[16][4], ui
 
 // O += P V over the page's keys below `limit` (keys 16c + 2q, + 1, + 8, + 9 of k16 step c for
 // quad q; this lane's dims 64 hh + 8 gid + i feed n-tile 8 hh + i).
-__device__ __forceinline__ void page_values(RowState& st, const uint8_t* v_side, const uint32_t (&pa)[8][4], int limit,
+template <typename Codes>
+__device__ __forceinline__ void page_values(RowState& st, const Codes& codes, const uint32_t (&pa)[8][4], int limit,
                                             int lane) {
   const int quad = lane & 3, gid = lane >> 2;
 #pragma unroll
@@ -343,8 +400,8 @@ __device__ __forceinline__ void page_values(RowState& st, const uint8_t* v_side,
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       const int d0 = 64 * hh + 8 * gid;
-      const uint2 w0 = ld_codes8(v_side, k0, d0), w1 = ld_codes8(v_side, k0 + 1, d0);
-      const uint2 w2 = ld_codes8(v_side, k0 + 8, d0), w3 = ld_codes8(v_side, k0 + 9, d0);
+      const uint2 w0 = codes(k0, d0), w1 = codes(k0 + 1, d0);
+      const uint2 w2 = codes(k0 + 8, d0), w3 = codes(k0 + 9, d0);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {  // dims d0 + 4 half + 0 .. 3
         const uint32_t a0 = half ? w0.y : w0.x, a1 = half ? w1.y : w1.x;
@@ -372,7 +429,7 @@ __global__ void __maxnreg__(224)
                              const __grid_constant__ CUtensorMap v_map) {
   using Page = RowsPage<F>;
   using Storage = RowsStorage<F>;
-  constexpr bool kFp8 = F == KvFormat::fp8_e4m3;
+  constexpr bool kCodes = F != KvFormat::bf16;  // FP8 codes, or NVFP4 made E4M3 codes
   extern __shared__ uint8_t smem_raw[];
   const uint32_t base = align1024(smem_addr(smem_raw));
   Storage& sm = *reinterpret_cast<Storage*>(smem_raw + (base - smem_addr(smem_raw)));
@@ -384,11 +441,21 @@ __global__ void __maxnreg__(224)
   // 1. Barriers, row positions, the split's distinct pages.
   if (tid == 0) {
     for (int i = 0; i < Page::kStages; ++i) {
-      mbar_init(smem_addr(&sm.full[i]), PerToken ? 1 + 32 : 1);
+      mbar_init(smem_addr(&sm.full[i]), PerToken || Page::kFp4 ? 1 + 32 : 1);
       mbar_init(smem_addr(&sm.empty[i]), kRowWarps);
     }
   }
   if (tid < kMaxTileRows) sm.row_position[tid] = tid < nrows ? a.positions[r0 + tid] : -1;
+  if constexpr (Page::kFp4) {  // the table of E4M3 codes per block-scale code (published by collect_pages' barriers)
+    if (tid < 256) {
+      const float scale = inference::e4m3_to_f32(uint8_t(tid));
+      uint8_t c[8];
+#pragma unroll
+      for (int m = 0; m < 8; ++m) c[m] = inference::f32_to_e4m3(inference::e2m1_to_f32(uint32_t(m)) * scale);
+      sm.fp4_codes[tid] = make_uint2(uint32_t(c[0]) | uint32_t(c[1]) << 8 | uint32_t(c[2]) << 16 | uint32_t(c[3]) << 24,
+                                     uint32_t(c[4]) | uint32_t(c[5]) << 8 | uint32_t(c[6]) << 16 | uint32_t(c[7]) << 24);
+    }
+  }
   preload_page_table(a, sm.table, r0, nrows);
   griddep_wait();
   const int pages = collect_pages(a, sm.pages, r0, nrows, g, split, &sm.table);
@@ -404,13 +471,14 @@ __global__ void __maxnreg__(224)
   const int W = kRowWarps / rows_pow2, row = warp / W, turn = warp % W;
   const bool active = row < nrows;
   const int32_t pos = active ? sm.row_position[row] : -1;
-  // bf16 caches have no scales (checked in src/core/inference.cpp).
-  const float k_tensor = kFp8 && a.kv.k_tensor_scale ? *a.kv.k_tensor_scale : 1.0f;
-  const float v_tensor = kFp8 && a.kv.v_tensor_scale ? *a.kv.v_tensor_scale : 1.0f;
+  // bf16 caches have no scales (checked in src/core/inference.cpp); NVFP4's global scales are
+  // per-tensor scales of its E4M3 values.
+  const float k_tensor = kCodes && a.kv.k_tensor_scale ? *a.kv.k_tensor_scale : 1.0f;
+  const float v_tensor = kCodes && a.kv.v_tensor_scale ? *a.kv.v_tensor_scale : 1.0f;
   uint32_t qa[8][4];
   float qk[2] = {0.0f, 0.0f};
   if (active) {
-    if constexpr (kFp8) load_query(a, r0 + row, g, lane, a.softmax_scale * k_tensor * math::kLog2e, qa, qk);
+    if constexpr (kCodes) load_query(a, r0 + row, g, lane, a.softmax_scale * k_tensor * math::kLog2e, qa, qk);
     else load_query_bf16(a, r0 + row, g, lane, a.softmax_scale * math::kLog2e, qa, qk);
   }
 
@@ -432,14 +500,19 @@ __global__ void __maxnreg__(224)
       const int limit = visible_keys(pos, sm.pages.page_logical[u]);
       float sc[16][4];
       uint32_t pa[8][4];
-      if constexpr (kFp8) {
+      if constexpr (F == KvFormat::fp8_e4m3) {
         const uint8_t* page = ring + s * 2 * Page::kSideBytes;
-        page_scores(page, qa, sc, lane);
+        page_scores(Fp8Codes{page}, qa, sc, lane);
         if constexpr (PerToken)
           softmax_page<true>(st, sc, pa, limit, qk, lane & 3, sm.token_scale[s][0], sm.token_scale[s][1], &v_run);
         else
           softmax_page<true>(st, sc, pa, limit, qk, lane & 3);
-        page_values(st, page + Page::kSideBytes, pa, limit, lane);
+        page_values(st, Fp8Codes{page + Page::kSideBytes}, pa, limit, lane);
+      } else if constexpr (Page::kFp4) {
+        const uint8_t* page = ring + s * 2 * Page::kSideBytes;
+        page_scores(Fp4Codes{page, sm.block_scale[s][0], sm.fp4_codes}, qa, sc, lane);
+        softmax_page<true>(st, sc, pa, limit, qk, lane & 3);
+        page_values(st, Fp4Codes{page + Page::kSideBytes, sm.block_scale[s][1], sm.fp4_codes}, pa, limit, lane);
       } else {
         const uint32_t page = ring_addr + uint32_t(s * 2 * Page::kSideBytes);
         page_scores_bf16(page, qa, sc, lane);
@@ -512,7 +585,7 @@ __global__ void __maxnreg__(224)
       if (a.splits == 1) a.lse[rh] = state.lse();
       else a.part_lse[int64_t(split) * a.total_q * a.hq + rh] = state.lse();
     }
-    if constexpr (!kFp8) {
+    if constexpr (!kCodes) {
 #pragma unroll
       for (int t = 0; t < 16; ++t) {
         const int d = 8 * t + 2 * quad;
@@ -581,15 +654,15 @@ int ctas_per_sm() {
 
 void launch_rows(KvFormat f, const AttnArgs& a, const CUtensorMap& k_map, const CUtensorMap& v_map, dim3 grid,
                  cudaStream_t stream) {
-  detail::require(f != KvFormat::nvfp4, "paged_decode_rows_kernel: NVFP4 caches run on the mma.sync page kernel");
   if (f == KvFormat::bf16) launch<KvFormat::bf16, false>(a, k_map, v_map, grid, stream);
+  else if (f == KvFormat::nvfp4) launch<KvFormat::nvfp4, false>(a, k_map, v_map, grid, stream);
   else if (a.kv.k_token_scale) launch<KvFormat::fp8_e4m3, true>(a, k_map, v_map, grid, stream);
   else launch<KvFormat::fp8_e4m3, false>(a, k_map, v_map, grid, stream);
 }
 
 int rows_ctas_per_sm() {
   return std::min({ctas_per_sm<KvFormat::bf16, false>(), ctas_per_sm<KvFormat::fp8_e4m3, false>(),
-                   ctas_per_sm<KvFormat::fp8_e4m3, true>()});
+                   ctas_per_sm<KvFormat::fp8_e4m3, true>(), ctas_per_sm<KvFormat::nvfp4, false>()});
 }
 
 }  // namespace msa::cuda::decode
