@@ -463,6 +463,8 @@ __global__ void __maxnreg__(224)
 
   if (warp == kRowWarps) {  // 2. the producer
     issue_pages<F, PerToken>(a, sm, base, &k_map, &v_map, g, pages, lane);
+    // Its scale copies complete before the lanes exit (the consumers wait for them through `full`).
+    if constexpr (PerToken || Page::kFp4) asm volatile("cp.async.wait_all;\n" ::: "memory");
     return;
   }
 
