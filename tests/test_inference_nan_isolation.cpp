@@ -224,7 +224,8 @@ void split_rows(const PagedCase& c, const PagedOutputs& o, int64_t page, std::ve
 
 // A poisoned page that some rows of a request attend to and others of the same step do not:
 // the others are bitwise unchanged and finite; the rows that attend to it keep their LSE (V
-// does not enter it) and are non-finite where `reference` (the CPU backend's run) is.
+// does not enter it) and, with `against_cpu`, are non-finite where the CPU backend's run is.
+// This is the case the decode kernel's V check exists for (P = 0 against inf / NaN values).
 template <typename Run>
 void check_values_of_a_page_some_rows_skip(std::mt19937_64& rng, Run run, bool against_cpu) {
   for (const char* f : kFormats)
@@ -361,7 +362,6 @@ TEST(GpuInferenceNanIsolation, DecodeRowsIgnoreFutureAndUnusedSlots) {
     }
 }
 
-// bf16 decode first runs without the V check and must notice the page (the checked pass).
 TEST(GpuInferenceNanIsolation, DecodeRowsThatSkipAPageIgnoreItsValues) {
   MSA_REQUIRE_GPU();
   MSA_SEEDED_RNG(rng);

@@ -81,11 +81,6 @@ struct TableRow {
   int32_t pages;
 };
 
-// 4-byte asynchronous global -> shared copy (through L1).
-__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(dst), "l"(src));
-}
-
 // Optional step 0, before the selection exists (the page table is the plan's, not a kernel's
 // output, so this may run before griddep_wait): the page-table row of the tile's request into
 // shared memory, so that the page lookups after the selection cost no global round trip.
