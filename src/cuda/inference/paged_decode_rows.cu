@@ -62,7 +62,12 @@ using model::kGroupSize;
 using model::kHeadDim;
 
 constexpr int kRowWarps = 8;                          // consumer warps
-constexpr int kThreads = 32 * (kRowWarps + 1);        // + the producer warp
+// + a producer warpgroup: one of its warps issues the pages. Registers are allocated per SM
+// sub-partition (warp w on sub-partition w % 4, 512 registers a lane each): 9 warps of 224 do
+// not launch, 12 of 168 do, and setmaxnreg then moves the producers' registers to the consumers.
+constexpr int kThreads = 32 * (kRowWarps + 4);
+constexpr int kProducerRegisters = 40, kConsumerRegisters = 232;
+static_assert(kProducerRegisters + 2 * kConsumerRegisters <= 512, "a sub-partition's registers");
 constexpr int kSharedLimit = 227 * 1024;
 constexpr int kRingBytes = 192 * 1024;                // the page ring (NVFP4: 128 KB, for its block scales)
 static_assert(kMaxTileRows <= kRowWarps, "a warp (at least) per tile row");
@@ -424,7 +429,7 @@ __device__ __forceinline__ void page_values(RowState& st, const Codes& codes, co
 }
 
 template <KvFormat F, bool PerToken>
-__global__ void __maxnreg__(224)
+__global__ void __launch_bounds__(kThreads, 1)
     paged_decode_rows_kernel(const AttnArgs a, const __grid_constant__ CUtensorMap k_map,
                              const __grid_constant__ CUtensorMap v_map) {
   using Page = RowsPage<F>;
@@ -461,12 +466,16 @@ __global__ void __maxnreg__(224)
   const int pages = collect_pages(a, sm.pages, r0, nrows, g, split, &sm.table);
   __syncthreads();
 
-  if (warp == kRowWarps) {  // 2. the producer
-    issue_pages<F, PerToken>(a, sm, base, &k_map, &v_map, g, pages, lane);
-    // Its scale copies complete before the lanes exit (the consumers wait for them through `full`).
-    if constexpr (PerToken || Page::kFp4) asm volatile("cp.async.wait_all;\n" ::: "memory");
+  if (warp >= kRowWarps) {  // 2. the producer
+    setmaxnreg_dec<kProducerRegisters>();
+    if (warp == kRowWarps) {
+      issue_pages<F, PerToken>(a, sm, base, &k_map, &v_map, g, pages, lane);
+      // Its scale copies complete before the lanes exit (the consumers wait for them through `full`).
+      if constexpr (PerToken || Page::kFp4) asm volatile("cp.async.wait_all;\n" ::: "memory");
+    }
     return;
   }
+  setmaxnreg_inc<kConsumerRegisters>();
 
   // 3. The consumer warps: warp c serves row c / W, its pages k = c % W, k + W, .. of them.
   const int rows_pow2 = nrows <= 1 ? 1 : nrows <= 2 ? 2 : nrows <= 4 ? 4 : 8;
