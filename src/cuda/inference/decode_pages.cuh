@@ -5,8 +5,9 @@
 // (request, page) pairs its rows selected, and split s takes the distinct pages
 // s * U / S .. (s + 1) * U / S - 1 of that union of U: every distinct page is streamed once per
 // (tile, KV head) whatever the split count, and the splits get equal shares of it.
-//   paged_attention.cu       mma.sync kernel for NVFP4 caches (16 warps share a page's tokens)
+//   paged_decode_rows.cu     row-warp kernel: a warp per row, mma.sync on the pages the row selected
 //   paged_decode_wgmma.cu    wgmma kernel for bf16 / FP8 caches (a warpgroup computes 4 rows x 16 heads)
+// (paged_attention.cu picks one per format and tile size.)
 #pragma once
 
 #include <cuda_bf16.h>

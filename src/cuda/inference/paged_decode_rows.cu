@@ -9,8 +9,8 @@
 // selected: 1.05 MFLOP a row and page. Rows of a tile with fewer rows than warps get several
 // warps, which take turns over the row's pages and combine their states at the end.
 //
-//   producer (one thread)   TMA of a page's K and V (FP8 codes 16 KB a side, bf16 32 KB; both
-//                           128-byte swizzled) into a ring of pages;
+//   producer (one warp of a  TMA of a page's K and V (FP8 codes 16 KB a side, bf16 32 KB; both
+//   warpgroup; one thread)  128-byte swizzled) into a ring of pages;
 //   consumers (8 warps)     S = Q K^T on m16n8k16 f16 products: Q in registers (bf16 scaled per
 //                           head by a power of two into f16's range, exact), the K codes read
 //                           from shared memory 8 at a time and converted in registers

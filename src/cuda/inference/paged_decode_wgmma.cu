@@ -723,7 +723,7 @@ int ctas_per_sm() {
 void launch_wgmma(KvFormat f, const AttnArgs& a, const CUtensorMap& k_map, const CUtensorMap& v_map, dim3 grid,
                   cudaStream_t stream) {
   const bool one = a.rows_per_tile <= kRowsPerWarpgroup;
-  detail::require(f != KvFormat::nvfp4, "paged_decode_wgmma_kernel: NVFP4 caches run on the mma.sync kernel");
+  detail::require(f != KvFormat::nvfp4, "paged_decode_wgmma_kernel: NVFP4 caches run on the row-warp kernel (paged_decode_rows.cu)");
   // Per-token scales (FP8 only: bf16 caches have no scales) are a separate instance, so that
   // the others carry no scale code.
   if (f == KvFormat::bf16) {
