@@ -323,70 +323,45 @@ __device__ __forceinline__ void page_values_bf16(RowState& st, uint32_t v_tile, 
   }
 }
 
-// The online-softmax step over a page (keys past `limit` at -inf) -> the rescaled state and P
-// as A fragments of P V's 8 k16 steps (f16 with kF16, else bf16).
-// `k_scale` / `v_scale`: the page's per-token scales (nullptr without); `v_run`: the warp's
-// running largest V scale of the keys it read (per-token only), which P is divided by.
+// V weights of online_softmax_page (decode_pages.cuh) for per-token V scales: divided by the
+// warp's running largest scale of the keys it read (`run`, 0 before any), so that P stays in
+// [0, 1] for f16; the accumulators stay in its units and are rescaled when it grows. Keys past
+// the limit feed P V nothing: their scale slots may hold garbage (0 * inf is NaN).
+struct RunningVWeights {
+  const float* v_scale;
+  float& run;
+  int limit;
+  float vmax = 0.0f, inv = 0.0f;
+  __device__ __forceinline__ void see(int t) {
+    const float2 vs = *reinterpret_cast<const float2*>(v_scale + t);
+    if (t < limit) vmax = fmaxf(vmax, vs.x);
+    if (t + 1 < limit) vmax = fmaxf(vmax, vs.y);
+  }
+  __device__ __forceinline__ float o_factor() {
+    const float grown = fmaxf(run, warp_max4(vmax));
+    const float ratio = grown > 0.0f ? run / grown : 0.0f;
+    inv = grown > 0.0f ? 1.0f / grown : 0.0f;
+    run = grown;
+    return ratio;
+  }
+  __device__ __forceinline__ float2 weight(int t) const {
+    const float2 vs = *reinterpret_cast<const float2*>(v_scale + t);
+    return make_float2(t < limit ? vs.x * inv : 0.0f, t + 1 < limit ? vs.y * inv : 0.0f);
+  }
+};
+
+// The online-softmax step over a page. `k_scale` / `v_scale`: the page's per-token scales
+// (nullptr without); `v_run`: RunningVWeights' running scale (per-token only).
 template <bool kF16>
 __device__ __forceinline__ void softmax_page(RowState& st, float (&s)[16][4], uint32_t (&pa)[8][4], int limit,
                                              const float (&qk)[2], int quad, const float* k_scale = nullptr,
                                              const float* v_scale = nullptr, float* v_run = nullptr) {
-  float mx[2] = {-INFINITY, -INFINITY};
-  float vmax = 0.0f;
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    const int t = 8 * j + 2 * quad;
-    const float2 ks = k_scale ? *reinterpret_cast<const float2*>(k_scale + t) : make_float2(1.0f, 1.0f);
-    if (v_scale) {
-      const float2 vs = *reinterpret_cast<const float2*>(v_scale + t);
-      if (t < limit) vmax = fmaxf(vmax, vs.x);
-      if (t + 1 < limit) vmax = fmaxf(vmax, vs.y);
-    }
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float x = t + (e & 1) < limit ? s[j][e] * qk[e >> 1] * ((e & 1) ? ks.y : ks.x) : -INFINITY;
-      s[j][e] = x;
-      mx[e >> 1] = fmaxf(mx[e >> 1], x);
-    }
-  }
-  // With V scales: the accumulators go to units of the new running largest scale.
-  float v_ratio = 1.0f, v_inv = 1.0f;
   if (v_scale) {
-    const float run = fmaxf(*v_run, warp_max4(vmax));
-    v_ratio = run > 0.0f ? *v_run / run : 0.0f;
-    v_inv = run > 0.0f ? 1.0f / run : 0.0f;
-    *v_run = run;
-  }
-  float use[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const float mnew = fmaxf(st.m[h], warp_max4(mx[h]));
-    use[h] = mnew == -INFINITY ? 0.0f : mnew;
-    const float alpha = fast_exp2(st.m[h] - use[h]);
-    const float o_alpha = alpha * v_ratio;
-    st.m[h] = mnew;
-    st.l[h] *= alpha;
-#pragma unroll
-    for (int t = 0; t < 16; ++t) {
-      st.o[t][2 * h] *= o_alpha;
-      st.o[t][2 * h + 1] *= o_alpha;
-    }
-  }
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    const int t = 8 * j + 2 * quad;
-    const float p0 = fast_exp2(s[j][0] - use[0]), p1 = fast_exp2(s[j][1] - use[0]);
-    const float p2 = fast_exp2(s[j][2] - use[1]), p3 = fast_exp2(s[j][3] - use[1]);
-    st.l[0] += p0 + p1;
-    st.l[1] += p2 + p3;
-    // Keys past the limit feed P V nothing: their scale slots may hold garbage (0 * inf is NaN).
-    float2 w = make_float2(1.0f, 1.0f);
-    if (v_scale) {
-      const float2 vs = *reinterpret_cast<const float2*>(v_scale + t);
-      w = make_float2(t < limit ? vs.x * v_inv : 0.0f, t + 1 < limit ? vs.y * v_inv : 0.0f);
-    }
-    pa[j / 2][2 * (j & 1)] = kF16 ? pack_f16(p0 * w.x, p1 * w.y) : pack_bf16(p0 * w.x, p1 * w.y);
-    pa[j / 2][2 * (j & 1) + 1] = kF16 ? pack_f16(p2 * w.x, p3 * w.y) : pack_bf16(p2 * w.x, p3 * w.y);
+    RunningVWeights w{v_scale, *v_run, limit};
+    online_softmax_page<kF16>(flat_outputs(st), st.m, st.l, s, pa, limit, qk, k_scale, w, quad);
+  } else {
+    TokenVWeights w{nullptr};
+    online_softmax_page<kF16>(flat_outputs(st), st.m, st.l, s, pa, limit, qk, k_scale, w, quad);
   }
 }
 
@@ -436,12 +411,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   using Storage = RowsStorage<F>;
   constexpr bool kCodes = F != KvFormat::bf16;  // FP8 codes, or NVFP4 made E4M3 codes
   extern __shared__ uint8_t smem_raw[];
-  const uint32_t base = align1024(smem_addr(smem_raw));
-  Storage& sm = *reinterpret_cast<Storage*>(smem_raw + (base - smem_addr(smem_raw)));
+  Storage& sm = shared_storage<Storage>(smem_raw);
+  const uint32_t base = smem_addr(&sm);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int64_t r0 = int64_t(blockIdx.x) * a.rows_per_tile;
-  const int nrows = int(min64(a.rows_per_tile, a.total_q - r0));
-  const int g = blockIdx.y, split = blockIdx.z;
+  const auto [r0, nrows, g, split] = decode_tile(a);
 
   // 1. Barriers, row positions, the split's distinct pages.
   if (tid == 0) {
@@ -500,7 +473,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   st.l[0] = st.l[1] = 0.0f;
   float v_run = 0.0f;  // per-token V scales: the largest this warp has read (the accumulators' unit)
   int seen = 0;        // pages of the split this row selected so far
-  const uint8_t* ring = smem_raw + (base - smem_addr(smem_raw)) + offsetof(Storage, ring);
+  const uint8_t* ring = sm.ring;
   const uint32_t ring_addr = base + uint32_t(offsetof(Storage, ring));
   for (int u = 0; u < pages; ++u) {
     const int s = u % Page::kStages;

@@ -334,53 +334,15 @@ __device__ __forceinline__ void pv_masked(RowState& st, const uint32_t (&p)[8][4
   }
 }
 
-// The online-softmax step of this warp's row over a page: S (log2 units after the scales, keys
-// past `limit` at -inf) -> the rescaled state and P (times the per-token V scales) as bf16 A
-// fragments (f16 with kF16). `k_scale` / `v_scale`: the page's per-token scales, nullptr without.
+// The online-softmax step of this warp's row over a page (decode_pages.cuh). `k_scale` /
+// `v_scale`: the page's per-token scales, nullptr without. Keys past the limit have p = 0 and
+// their scale slots hold 0 (scan_sides), so their products stay 0.
 template <bool kF16>
 __device__ __forceinline__ void softmax_step(RowState& st, float (&s)[16][4], uint32_t (&p)[8][4], int limit,
                                              float qk_scale, const float* k_scale, const float* v_scale, int quad) {
-  float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    const int t = 8 * j + 2 * quad;
-    const float2 ks = k_scale ? *reinterpret_cast<const float2*>(k_scale + t) : make_float2(1.0f, 1.0f);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float x = t + (e & 1) < limit ? s[j][e] * qk_scale * ((e & 1) ? ks.y : ks.x) : -INFINITY;
-      s[j][e] = x;
-      mx[e >> 1] = fmaxf(mx[e >> 1], x);
-    }
-  }
-  float use[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const float mnew = fmaxf(st.m[h], warp_max4(mx[h]));
-    use[h] = mnew == -INFINITY ? 0.0f : mnew;
-    const float alpha = fast_exp2(st.m[h] - use[h]);
-    st.m[h] = mnew;
-    st.l[h] *= alpha;
-#pragma unroll
-    for (int half = 0; half < 2; ++half)
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        st.o[half][j][2 * h] *= alpha;
-        st.o[half][j][2 * h + 1] *= alpha;
-      }
-  }
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    const int t = 8 * j + 2 * quad;
-    const float p0 = fast_exp2(s[j][0] - use[0]), p1 = fast_exp2(s[j][1] - use[0]);
-    const float p2 = fast_exp2(s[j][2] - use[1]), p3 = fast_exp2(s[j][3] - use[1]);
-    st.l[0] += p0 + p1;
-    st.l[1] += p2 + p3;
-    // Keys past the limit have p = 0; their scale slots hold 0 (scan_sides), so the products stay 0.
-    const float2 vs = v_scale ? *reinterpret_cast<const float2*>(v_scale + t) : make_float2(1.0f, 1.0f);
-    // A fragment: (head gr, keys 16c + 2q ..) then + 8 keys; (head gr + 8, same keys).
-    p[j / 2][2 * (j & 1)] = kF16 ? pack_f16(p0 * vs.x, p1 * vs.y) : pack_bf16(p0 * vs.x, p1 * vs.y);
-    p[j / 2][2 * (j & 1) + 1] = kF16 ? pack_f16(p2 * vs.x, p3 * vs.y) : pack_bf16(p2 * vs.x, p3 * vs.y);
-  }
+  const float qk[2] = {qk_scale, qk_scale};
+  TokenVWeights w{v_scale};
+  online_softmax_page<kF16>(flat_outputs(st), st.m, st.l, s, p, limit, qk, k_scale, w, quad);
 }
 
 // 5. Splits > 1: the last of the (tile, KV head)'s split CTAs to finish merges their partials
@@ -634,12 +596,10 @@ __global__ void __launch_bounds__(DecodeShape<Consumers, F>::kThreads, 1)
   using Shape = DecodeShape<Consumers, F>;
   using Storage = DecodeStorage<Consumers, F>;
   extern __shared__ uint8_t smem_raw[];
-  const uint32_t base = align1024(smem_addr(smem_raw));
-  Storage& sm = *reinterpret_cast<Storage*>(smem_raw + (base - smem_addr(smem_raw)));
+  Storage& sm = shared_storage<Storage>(smem_raw);
+  const uint32_t base = smem_addr(&sm);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int64_t r0 = int64_t(blockIdx.x) * a.rows_per_tile;
-  const int nrows = int(min64(a.rows_per_tile, a.total_q - r0));
-  const int g = blockIdx.y, split = blockIdx.z;
+  const auto [r0, nrows, g, split] = decode_tile(a);
 
   // 1. Barriers, row positions, the split's distinct pages.
   if (tid == 0) {
