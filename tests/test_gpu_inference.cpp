@@ -482,7 +482,7 @@ TEST(GpuInference, DecodeAttentionMatchesCpuEveryFormat) {
   MSA_SEEDED_RNG(rng);
   // Q = 9: two tiles of 5 rows a request, so a tile holds rows of two requests.
   for (const char* f : kFormats)
-    for (int Q : {1, 4, 8, 9, 16}) {
+    for (int Q : {1, 2, 4, 8, 9, 16}) {
       SCOPED_TRACE(std::string("format ") + f + ", Q " + std::to_string(Q));
       const PagedCase c = make_decode_case(rng, Topology::minimax_m3(2), {2400, 0, 16, 300, 129}, Q, format_options(f));
       const HostTensor topk = cpu_indexer(c);

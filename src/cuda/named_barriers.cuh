@@ -25,6 +25,11 @@ enum class DecodeBarrier : int {
   kScanners = 4,    // the scanner warps, around their per-page flags
 };
 
+// paged_decode_rows_kernel (inference/paged_decode_rows.cu): 8 consumer warps and a producer warp.
+enum class RowsBarrier : int {
+  kConsumers = 1,  // the 256 consumer threads, around the ring's reuse for a row's warp states
+};
+
 // select_blocks_kernel (select_blocks.cu): four consumer warpgroups and a producer warpgroup.
 enum class SelectBarrier : int {
   kWarpgroup0 = 1,  // consumer warpgroup 0 (128 threads): its query rows have landed

@@ -56,14 +56,18 @@ CUtensorMap encode_bf16(int rank, const void* base, const cuuint64_t* dims, cons
 }  // namespace
 
 CUtensorMap paged_cache_map(const void* base, int64_t pages, int64_t heads, int row_bytes, int64_t page_stride,
-                            int64_t head_stride, int64_t token_stride, const char* what) {
+                            int64_t head_stride, int64_t token_stride, const char* what, bool swizzled) {
   const bool bf16 = row_bytes == 256;
   const cuuint64_t dims[4] = {cuuint64_t(bf16 ? 128 : row_bytes), 128, cuuint64_t(heads), cuuint64_t(pages > 0 ? pages : 1)};
   const cuuint64_t strides[3] = {cuuint64_t(token_stride), cuuint64_t(head_stride), cuuint64_t(page_stride)};
   const cuuint32_t box[4] = {cuuint32_t(bf16 ? 64 : row_bytes), 128, 1, 1};
   const std::string shape = std::to_string(pages) + " pages x " + std::to_string(heads) + " heads";
   if (bf16) return encode_bf16(4, base, dims, strides, box, what, shape);
-  return encode(CU_TENSOR_MAP_DATA_TYPE_UINT8, CU_TENSOR_MAP_SWIZZLE_NONE, 4, base, dims, strides, box, what, shape);
+  const CUtensorMapSwizzle swizzle = !swizzled         ? CU_TENSOR_MAP_SWIZZLE_NONE
+                                     : row_bytes == 128 ? CU_TENSOR_MAP_SWIZZLE_128B
+                                     : row_bytes == 64  ? CU_TENSOR_MAP_SWIZZLE_64B
+                                                        : CU_TENSOR_MAP_SWIZZLE_NONE;
+  return encode(CU_TENSOR_MAP_DATA_TYPE_UINT8, swizzle, 4, base, dims, strides, box, what, shape);
 }
 
 CUtensorMap bf16_row_tile_map(const void* base, int64_t rows, int box_rows, const char* what) {

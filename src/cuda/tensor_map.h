@@ -26,8 +26,10 @@ CUtensorMap bf16_head_tile_map(const void* base, int64_t tokens, int64_t heads, 
 // 16-byte-multiple byte strides (page_stride, head_stride, token_stride), copied a page of one
 // head at a time: boxes of 128 rows x `box_bytes` bytes. bf16 rows (row_bytes 256) go in two
 // boxes of 64 columns with the 128-byte swizzle of the shared-memory tiles (device.cuh), one
-// per column half; FP8 / NVFP4 codes (row_bytes 128 / 64) in one box of whole rows, unswizzled.
+// per column half; FP8 / NVFP4 codes (row_bytes 128 / 64) in one box of whole rows, unswizzled,
+// or swizzled (`swizzled`: 128-byte rows with the 128-byte swizzle, chunk c of row t at
+// c ^ (t % 8); 64-byte rows with the 64-byte swizzle, chunk c at c ^ ((t / 2) % 4)).
 CUtensorMap paged_cache_map(const void* base, int64_t pages, int64_t heads, int row_bytes, int64_t page_stride,
-                            int64_t head_stride, int64_t token_stride, const char* what);
+                            int64_t head_stride, int64_t token_stride, const char* what, bool swizzled = false);
 
 }  // namespace msa::cuda

@@ -5,8 +5,9 @@
 // (request, page) pairs its rows selected, and split s takes the distinct pages
 // s * U / S .. (s + 1) * U / S - 1 of that union of U: every distinct page is streamed once per
 // (tile, KV head) whatever the split count, and the splits get equal shares of it.
-//   paged_attention.cu       mma.sync kernel for NVFP4 caches (16 warps share a page's tokens)
+//   paged_decode_rows.cu     row-warp kernel: a warp per row, mma.sync on the pages the row selected
 //   paged_decode_wgmma.cu    wgmma kernel for bf16 / FP8 caches (a warpgroup computes 4 rows x 16 heads)
+// (paged_attention.cu picks one per format and tile size.)
 #pragma once
 
 #include <cuda_bf16.h>
@@ -14,6 +15,7 @@
 #include <cstdint>
 
 #include "core/decode_splits.h"
+#include "cuda/device.cuh"
 #include "cuda/kv_source.cuh"
 #include "cuda/tensor_map.h"
 
@@ -48,6 +50,17 @@ struct AttnArgs {
 };
 
 __device__ __forceinline__ int64_t min64(int64_t x, int64_t y) { return x < y ? x : y; }
+
+// The CTA's work (grid: row tiles x KV heads x splits): rows r0 .. r0 + nrows - 1 of the step,
+// KV head g, split `split`.
+struct DecodeTile {
+  int64_t r0;
+  int nrows, g, split;
+};
+__device__ __forceinline__ DecodeTile decode_tile(const AttnArgs& a) {
+  const int64_t r0 = int64_t(blockIdx.x) * a.rows_per_tile;
+  return {r0, int(min64(a.rows_per_tile, a.total_q - r0)), int(blockIdx.y), int(blockIdx.z)};
+}
 
 // Keys of logical page `page` that a row at position `pos` sees (<= 0: none).
 __device__ __forceinline__ int visible_keys(int32_t pos, int32_t page) {
@@ -166,5 +179,85 @@ void launch_wgmma(KvFormat f, const AttnArgs& a, const CUtensorMap& k_map, const
                   cudaStream_t stream);
 // CTAs of that kernel an SM holds at once (the fewest over its formats).
 int wgmma_ctas_per_sm(int rows_per_tile);
+
+// The row-warp kernel (paged_decode_rows.cu): every format; the same grid; FP8 / NVFP4 page
+// maps swizzled (paged_cache_map(.., swizzled = true)). Splits > 1 leave partials for
+// merge_states.
+void launch_rows(KvFormat f, const AttnArgs& a, const CUtensorMap& k_map, const CUtensorMap& v_map, dim3 grid,
+                 cudaStream_t stream);
+int rows_ctas_per_sm();
+
+// The online-softmax step of a consumer warp's row over a page, in both kernels: the row's 16
+// heads are the m16 rows of S's C fragments over 16 n8 key tiles (h = 0: head gid of the lane,
+// 1: gid + 8). S is scaled in place (qk[h]: softmax scale x log2 e x any per-tensor scale, times
+// the per-token K scale; keys past `limit` at -inf), the running max m and sum l updated, the
+// lane's 64 output accumulators `o` (any layout whose element 4t + 2h + e belongs to head h)
+// multiplied by alpha x w.o_factor(), and P written as A fragments of P V's 8 k16 steps (f16
+// with kF16, else bf16), keys t, t + 1 times w.weight(t) (a float2).
+// `w`, the V weights: w.see(t) is called for every key pair first (a running scale can grow),
+// then w.o_factor() once, then w.weight(t).
+template <bool kF16, class VWeights>
+__device__ __forceinline__ void online_softmax_page(float (&o)[64], float (&m)[2], float (&l)[2], float (&s)[16][4],
+                                                    uint32_t (&p)[8][4], int limit, const float (&qk)[2],
+                                                    const float* k_scale, VWeights& w, int quad) {
+  float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const int t = 8 * j + 2 * quad;
+    const float2 ks = k_scale ? *reinterpret_cast<const float2*>(k_scale + t) : make_float2(1.0f, 1.0f);
+    w.see(t);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float x = t + (e & 1) < limit ? s[j][e] * qk[e >> 1] * ((e & 1) ? ks.y : ks.x) : -INFINITY;
+      s[j][e] = x;
+      mx[e >> 1] = fmaxf(mx[e >> 1], x);
+    }
+  }
+  const float o_factor = w.o_factor();
+  float use[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const float mnew = fmaxf(m[h], warp_max4(mx[h]));
+    use[h] = mnew == -INFINITY ? 0.0f : mnew;  // a row with no key yet: exp2(-inf - 0) = 0
+    const float alpha = fast_exp2(m[h] - use[h]);
+    const float o_alpha = alpha * o_factor;
+    m[h] = mnew;
+    l[h] *= alpha;
+#pragma unroll
+    for (int t = 0; t < 16; ++t) {
+      o[4 * t + 2 * h] *= o_alpha;
+      o[4 * t + 2 * h + 1] *= o_alpha;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const int t = 8 * j + 2 * quad;
+    const float p0 = fast_exp2(s[j][0] - use[0]), p1 = fast_exp2(s[j][1] - use[0]);
+    const float p2 = fast_exp2(s[j][2] - use[1]), p3 = fast_exp2(s[j][3] - use[1]);
+    l[0] += p0 + p1;
+    l[1] += p2 + p3;
+    const float2 v = w.weight(t);
+    // A fragment: (head gid, keys 16c + 2q, + 1) then the same keys + 8; then head gid + 8.
+    p[j / 2][2 * (j & 1)] = kF16 ? pack_f16(p0 * v.x, p1 * v.y) : pack_bf16(p0 * v.x, p1 * v.y);
+    p[j / 2][2 * (j & 1) + 1] = kF16 ? pack_f16(p2 * v.x, p3 * v.y) : pack_bf16(p2 * v.x, p3 * v.y);
+  }
+}
+
+// V weights of online_softmax_page: the page's per-token V scales as they are (nullptr: 1).
+struct TokenVWeights {
+  const float* v_scale;
+  __device__ __forceinline__ void see(int) {}
+  __device__ __forceinline__ float o_factor() const { return 1.0f; }
+  __device__ __forceinline__ float2 weight(int t) const {
+    return v_scale ? *reinterpret_cast<const float2*>(v_scale + t) : make_float2(1.0f, 1.0f);
+  }
+};
+
+// The lane's 64 output accumulators of a row state, flat (both kernels' layouts are 16 x 4).
+template <class State>
+__device__ __forceinline__ float (&flat_outputs(State& st))[64] {
+  static_assert(sizeof(st.o) == 64 * sizeof(float), "a lane holds 64 accumulators");
+  return reinterpret_cast<float(&)[64]>(st.o);
+}
 
 }  // namespace msa::cuda::decode

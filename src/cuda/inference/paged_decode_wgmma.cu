@@ -23,6 +23,12 @@
 // A row that gets P = 0 on a key must not get 0 * inf = NaN from it (the NaN-isolation
 // contract), so a flagged V side is multiplied per row on mma.sync with the keys past each
 // row's limit zeroed, rows that did not select the page skipped (the mma.sync kernel's rule).
+// bf16 caches first run the split's pages without the V check (optimistic pass): 0 * inf and
+// 0 * NaN are NaN, so a row with P = 0 on keys of a page sees its accumulator turn non-finite
+// exactly when the check would have flagged a key of that page (or it was already
+// non-finite). The consumers test those rows' accumulators after each such page; if any
+// did, the CTA runs its pages again with the check (checked pass). FP8 V sides are checked
+// while they are widened, at no extra cost.
 #include <algorithm>
 #include <cstddef>
 #include <mutex>
@@ -85,6 +91,10 @@ struct DecodeShape {
 template <KvFormat F, bool PerToken>
 constexpr bool kF16Values = F == KvFormat::fp8_e4m3 && !PerToken;
 
+// bf16 caches run a split's pages first without the V sides' inf / NaN check (see the top).
+template <KvFormat F>
+constexpr bool kOptimisticPass = F == KvFormat::bf16;
+
 struct alignas(1024) Side {
   uint8_t bytes[kSideBytes];  // 128 tokens x 128 bf16, swizzled (tile_offset), as the TMA boxes land
 };
@@ -101,6 +111,7 @@ struct alignas(1024) QueryTile {
 //   full      bf16: the side's TMA bytes have landed (1 arrival + bytes)
 //   ready     the scanners are done with the side (Shape::kScanThreads arrivals)
 //   empty     every consumer warp is done with it (kConsumerWarps arrivals)
+//   verdict   bf16, once: every consumer warp voted on the checked pass (kConsumerWarps arrivals)
 template <int Consumers, KvFormat F>
 struct DecodeStorage {
   using Shape = DecodeShape<Consumers, F>;
@@ -115,6 +126,8 @@ struct DecodeStorage {
   uint64_t full[Shape::kSlots];
   uint64_t ready[Shape::kSlots];
   uint64_t empty[Shape::kSlots];
+  uint64_t verdict;      // bf16: every consumer warp has voted on the optimistic pass (kConsumerWarps arrivals)
+  int32_t checked_pass;  // bf16: some warp saw a suspect accumulator: the CTA runs its pages again, checked
   uint32_t nonfinite[Shape::kSlots][Shape::kScanWarps];  // V side: per scanner warp, a row some tile row reads holds inf / NaN
   int32_t row_position[kMaxTileRows];  // kNoRow past the tile's rows
   uint8_t check_values[kMaxEntries];   // bf16: page u's V side is checked for inf / NaN (values_need_check)
@@ -130,19 +143,20 @@ static_assert(storage_bytes<1, KvFormat::bf16>() <= kSharedLimit && storage_byte
                   storage_bytes<2, KvFormat::fp8_e4m3>() <= kSharedLimit,
               "paged_decode_wgmma_kernel: shared memory");
 
-// Producer warp 0, one thread: the sides of the split's pages, in order (item j = side j % 2 of
-// page j / 2): bf16 into the ring, FP8 into the staging ring.
+// Producer warp 0, one thread: the sides of the split's pages, in order (item i = side i % 2 of
+// page i / 2; j0 = the items of earlier passes, which the ring's slots and phases count on
+// from): bf16 into the ring, FP8 into the staging ring.
 template <int Consumers, KvFormat F>
 __device__ __forceinline__ void issue_sides(DecodeStorage<Consumers, F>& sm, uint32_t base, const CUtensorMap* k_map,
-                                            const CUtensorMap* v_map, int g, int items) {
+                                            const CUtensorMap* v_map, int g, int items, int j0) {
   using Shape = DecodeShape<Consumers, F>;
   using Storage = DecodeStorage<Consumers, F>;
   constexpr int S = Shape::kQuantised ? Shape::kRawSlots : Shape::kSlots;
   const uint64_t policy = l2_evict_first();
-  for (int j = 0; j < items; ++j) {
-    const int slot = j % S;
-    const int32_t phys = sm.pages.page_physical[j / 2];
-    const CUtensorMap* map = (j & 1) ? v_map : k_map;
+  for (int i = 0; i < items; ++i) {
+    const int j = j0 + i, slot = j % S;  // j: the ring's item count over the passes
+    const int32_t phys = sm.pages.page_physical[i / 2];
+    const CUtensorMap* map = (i & 1) ? v_map : k_map;
     if constexpr (Shape::kQuantised) {
       if (j >= S) mbar_wait(smem_addr(&sm.raw_free[slot]), ((j / S) - 1) & 1);
       const uint32_t full = smem_addr(&sm.raw_full[slot]);
@@ -212,10 +226,11 @@ __device__ __forceinline__ uint32_t scan_bf16_values(uint32_t side, int st, int 
 
 // The scanners (producer warps 1, 2, ..): each side ready for a product that every row of a
 // warpgroup takes part in (bf16: in place; FP8: widened from the staging ring), with its
-// per-token scales.
+// per-token scales. `checked`: bf16 V sides are checked for inf / NaN where values_need_check
+// says so (the checked pass; the optimistic one only zeroes rows past `read`).
 template <int Consumers, KvFormat F, bool PerToken>
 __device__ __forceinline__ void scan_sides(const AttnArgs& a, DecodeStorage<Consumers, F>& sm, uint32_t base, int g,
-                                           int items, int st) {
+                                           int items, int j0, bool checked, int st) {
   using Shape = DecodeShape<Consumers, F>;
   using Storage = DecodeStorage<Consumers, F>;
   constexpr int S = Shape::kSlots, RS = Shape::kRawSlots, kScan = Shape::kScanThreads;
@@ -232,17 +247,17 @@ __device__ __forceinline__ void scan_sides(const AttnArgs& a, DecodeStorage<Cons
     for (int i = 0; i < kKeysPerThread; ++i)
       if (st + kScan * i < kPageSize) out[i] = src[slot0 + st + kScan * i];
   };
-  if constexpr (!Shape::kQuantised) {  // bf16: which V sides need the inf / NaN check
+  if (!Shape::kQuantised && checked) {  // bf16: which V sides need the inf / NaN check
     for (int u = st; u < items / 2; u += kScan) sm.check_values[u] = values_need_check<Consumers>(sm, u);
     sync_barrier(DecodeBarrier::kScanners, kScan);
   }
   float scale[kKeysPerThread], next[kKeysPerThread];
   load_scales(0, scale);
-  for (int j = 0; j < items; ++j) {
-    const int slot = j % S;
-    const int read = sm.pages.page_tokens[j / 2];  // keys past it: no row reads them
+  for (int i = 0; i < items; ++i) {
+    const int j = j0 + i, slot = j % S;  // j: the ring's item count over the passes
+    const int read = sm.pages.page_tokens[i / 2];  // keys past it: no row reads them
     const uint32_t side = base + uint32_t(offsetof(Storage, slot) + slot * kSideBytes);
-    load_scales(j + 1, next);
+    load_scales(i + 1, next);
     uint32_t bad = 0;
     if constexpr (Shape::kQuantised) {
       const int r = j % RS;
@@ -251,26 +266,26 @@ __device__ __forceinline__ void scan_sides(const AttnArgs& a, DecodeStorage<Cons
       const uint32_t raw = base + uint32_t(offsetof(Storage, raw) + r * sizeof(RawSide));
       // A V side's NaN codes flag it (E4M3 has no infinity); K needs none: a score a row must
       // not see becomes -inf whatever it was. V sides widen to f16 when P V runs on f16.
-      if (j & 1) bad = inference::widen_fp8_side<kScan, kF16Values<F, PerToken>, true, kScanBatch>(raw, side, st, read);
+      if (i & 1) bad = inference::widen_fp8_side<kScan, kF16Values<F, PerToken>, true, kScanBatch>(raw, side, st, read);
       else inference::widen_fp8_side<kScan, false, false, kScanBatch>(raw, side, st, read);
       mbar_arrive(smem_addr(&sm.raw_free[r]));
     } else {
       mbar_wait(smem_addr(&sm.full[slot]), (j / S) & 1);
       // A bf16 V side: its rows past `read` zeroed, the rows below checked only when a row
       // that multiplies the side gets P = 0 on keys that another row reads.
-      if (j & 1) bad = scan_bf16_values<kScan>(side, st, read, sm.check_values[j / 2] != 0);
+      if (i & 1) bad = scan_bf16_values<kScan>(side, st, read, checked && sm.check_values[i / 2] != 0);
     }
 #pragma unroll
-    for (int i = 0; i < kKeysPerThread; ++i) {
-      const int t = st + kScan * i;
-      if (t < kPageSize) sm.token_scale[slot][t] = t < read ? scale[i] : 0.0f;
-      scale[i] = next[i];
+    for (int e = 0; e < kKeysPerThread; ++e) {
+      const int t = st + kScan * e;
+      if (t < kPageSize) sm.token_scale[slot][t] = t < read ? scale[e] : 0.0f;
+      scale[e] = next[e];
     }
     const bool any = __any_sync(0xffffffffu, bad != 0);
     if ((st & 31) == 0) sm.nonfinite[slot][st / 32] = any;
     // The rows the scanners wrote (widened, zeroed) are read by the tensor cores; a side they
     // only read needs no proxy fence (the trace showed K sides ready ~1.8 us after landing).
-    const bool wrote = Shape::kQuantised || ((j & 1) && read < kPageSize);
+    const bool wrote = Shape::kQuantised || ((i & 1) && read < kPageSize);
     if (wrote) fence_proxy_async();
     mbar_arrive(smem_addr(&sm.ready[slot]));
   }
@@ -282,6 +297,19 @@ struct RowState {
   float m[2];        // running max, log2 units
   float l[2];        // this thread's share of the sum
 };
+
+// Whether every accumulator of the row state is finite: inf or NaN in any of them makes their
+// sum non-finite (a finite sum that overflows only costs a checked pass).
+__device__ __forceinline__ bool accumulators_finite(const RowState& st) {
+  float sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+  for (int half = 0; half < 2; ++half)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) sum[e] += st.o[half][j][e];
+  return isfinite((sum[0] + sum[1]) + (sum[2] + sum[3]));
+}
 
 // Keys of a flagged V side through mma.sync: the keys past the row's limit zeroed (selection,
 // not multiplication), P of this warp's row.
@@ -306,53 +334,15 @@ __device__ __forceinline__ void pv_masked(RowState& st, const uint32_t (&p)[8][4
   }
 }
 
-// The online-softmax step of this warp's row over a page: S (log2 units after the scales, keys
-// past `limit` at -inf) -> the rescaled state and P (times the per-token V scales) as bf16 A
-// fragments (f16 with kF16). `k_scale` / `v_scale`: the page's per-token scales, nullptr without.
+// The online-softmax step of this warp's row over a page (decode_pages.cuh). `k_scale` /
+// `v_scale`: the page's per-token scales, nullptr without. Keys past the limit have p = 0 and
+// their scale slots hold 0 (scan_sides), so their products stay 0.
 template <bool kF16>
 __device__ __forceinline__ void softmax_step(RowState& st, float (&s)[16][4], uint32_t (&p)[8][4], int limit,
                                              float qk_scale, const float* k_scale, const float* v_scale, int quad) {
-  float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    const int t = 8 * j + 2 * quad;
-    const float2 ks = k_scale ? *reinterpret_cast<const float2*>(k_scale + t) : make_float2(1.0f, 1.0f);
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float x = t + (e & 1) < limit ? s[j][e] * qk_scale * ((e & 1) ? ks.y : ks.x) : -INFINITY;
-      s[j][e] = x;
-      mx[e >> 1] = fmaxf(mx[e >> 1], x);
-    }
-  }
-  float use[2];
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const float mnew = fmaxf(st.m[h], warp_max4(mx[h]));
-    use[h] = mnew == -INFINITY ? 0.0f : mnew;
-    const float alpha = fast_exp2(st.m[h] - use[h]);
-    st.m[h] = mnew;
-    st.l[h] *= alpha;
-#pragma unroll
-    for (int half = 0; half < 2; ++half)
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        st.o[half][j][2 * h] *= alpha;
-        st.o[half][j][2 * h + 1] *= alpha;
-      }
-  }
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    const int t = 8 * j + 2 * quad;
-    const float p0 = fast_exp2(s[j][0] - use[0]), p1 = fast_exp2(s[j][1] - use[0]);
-    const float p2 = fast_exp2(s[j][2] - use[1]), p3 = fast_exp2(s[j][3] - use[1]);
-    st.l[0] += p0 + p1;
-    st.l[1] += p2 + p3;
-    // Keys past the limit have p = 0; their scale slots hold 0 (scan_sides), so the products stay 0.
-    const float2 vs = v_scale ? *reinterpret_cast<const float2*>(v_scale + t) : make_float2(1.0f, 1.0f);
-    // A fragment: (head gr, keys 16c + 2q ..) then + 8 keys; (head gr + 8, same keys).
-    p[j / 2][2 * (j & 1)] = kF16 ? pack_f16(p0 * vs.x, p1 * vs.y) : pack_bf16(p0 * vs.x, p1 * vs.y);
-    p[j / 2][2 * (j & 1) + 1] = kF16 ? pack_f16(p2 * vs.x, p3 * vs.y) : pack_bf16(p2 * vs.x, p3 * vs.y);
-  }
+  const float qk[2] = {qk_scale, qk_scale};
+  TokenVWeights w{v_scale};
+  online_softmax_page<kF16>(flat_outputs(st), st.m, st.l, s, p, limit, qk, k_scale, w, quad);
 }
 
 // 5. Splits > 1: the last of the (tile, KV head)'s split CTAs to finish merges their partials
@@ -470,71 +460,88 @@ __device__ __forceinline__ void consume_pages(const AttnArgs& a, DecodeStorage<C
   const float qk_scale = a.softmax_scale * k_tensor * math::kLog2e;
 
   RowState st;
+  for (int pass = 0;; ++pass) {  // bf16: the optimistic pass, then the checked one if needed
+    const bool checked = !kOptimisticPass<F> || pass > 0;
+    const int j0 = 2 * pages * pass;  // the ring's items of earlier passes
 #pragma unroll
-  for (int half = 0; half < 2; ++half)
+    for (int half = 0; half < 2; ++half)
 #pragma unroll
-    for (int j = 0; j < 8; ++j) st.o[half][j][0] = st.o[half][j][1] = st.o[half][j][2] = st.o[half][j][3] = 0.0f;
-  st.m[0] = st.m[1] = -INFINITY;
-  st.l[0] = st.l[1] = 0.0f;
+      for (int j = 0; j < 8; ++j) st.o[half][j][0] = st.o[half][j][1] = st.o[half][j][2] = st.o[half][j][3] = 0.0f;
+    st.m[0] = st.m[1] = -INFINITY;
+    st.l[0] = st.l[1] = 0.0f;
+    bool suspect = false;  // an accumulator of a row with P = 0 on some of a page's keys turned non-finite
 
-  for (int u = 0; u < pages; ++u) {
-    const uint32_t selected = sm.pages.page_rows[u];
-    const bool computes = (selected & wg_rows) != 0;  // warpgroup-uniform
-    const bool mine = (selected >> row) & 1u;         // warp-uniform
-    const int limit = mine ? visible_keys(pos, sm.pages.page_logical[u]) : 0;
+    for (int u = 0; u < pages; ++u) {
+      const uint32_t selected = sm.pages.page_rows[u];
+      const bool computes = (selected & wg_rows) != 0;  // warpgroup-uniform
+      const bool mine = (selected >> row) & 1u;         // warp-uniform
+      const int limit = mine ? visible_keys(pos, sm.pages.page_logical[u]) : 0;
 
-    // S = Q K^T for the warpgroup's 64 rows.
-    const int jk = 2 * u, sk = jk % S;
-    mbar_wait(smem_addr(&sm.ready[sk]), (jk / S) & 1);
-    float s[16][4];
-    if (computes) {
-      const uint32_t k_side = slots + uint32_t(sk * kSideBytes);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kHeadDim / 16; ++kk)
-        wgmma_m64n128k16(s, tile_desc(q_tile, 64, 0, kk), tile_desc(k_side, kPageSize, 0, kk), kk > 0);
-      wgmma_commit();
-      wgmma_wait<0>();
-    }
-
-    // P (its V scales are the V side's: wait for it first when there are some).
-    const int jv = 2 * u + 1, sv = jv % S;
-    if constexpr (PerToken) mbar_wait(smem_addr(&sm.ready[sv]), (jv / S) & 1);
-    uint32_t p[8][4];
-    if (computes) {
-      if (mine) {
-        softmax_step<kF16V>(st, s, p, limit, qk_scale, PerToken ? sm.token_scale[sk] : nullptr,
-                     PerToken ? sm.token_scale[sv] : nullptr, quad);
-      } else {
-#pragma unroll
-        for (int c = 0; c < 8; ++c) p[c][0] = p[c][1] = p[c][2] = p[c][3] = 0u;
-      }
-    }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(smem_addr(&sm.empty[sk]));
-
-    // O += P V.
-    if constexpr (!PerToken) mbar_wait(smem_addr(&sm.ready[sv]), (jv / S) & 1);
-    if (computes) {
-      const uint32_t v_side = slots + uint32_t(sv * kSideBytes);
-      bool flagged = false;
-#pragma unroll
-      for (int i = 0; i < Shape::kScanWarps; ++i) flagged |= sm.nonfinite[sv][i] != 0;
-      if (!flagged) {
+      // S = Q K^T for the warpgroup's 64 rows.
+      const int jk = j0 + 2 * u, sk = jk % S;
+      mbar_wait(smem_addr(&sm.ready[sk]), (jk / S) & 1);
+      float s[16][4];
+      if (computes) {
+        const uint32_t k_side = slots + uint32_t(sk * kSideBytes);
         wgmma_fence();
 #pragma unroll
-        for (int c = 0; c < kPageSize / 16; ++c)
-#pragma unroll
-          for (int half = 0; half < 2; ++half)
-            wgmma_m64n64k16_rs_mn<kF16V>(st.o[half], p[c], tile_desc_mn(v_side, kPageSize, half, c));
+        for (int kk = 0; kk < kHeadDim / 16; ++kk)
+          wgmma_m64n128k16(s, tile_desc(q_tile, 64, 0, kk), tile_desc(k_side, kPageSize, 0, kk), kk > 0);
         wgmma_commit();
         wgmma_wait<0>();
-      } else if (mine) {
-        pv_masked<kF16V>(st, p, v_side, limit, lane);
       }
+
+      // P (its V scales are the V side's: wait for it first when there are some).
+      const int jv = jk + 1, sv = jv % S;
+      if constexpr (PerToken) mbar_wait(smem_addr(&sm.ready[sv]), (jv / S) & 1);
+      uint32_t p[8][4];
+      if (computes) {
+        if (mine) {
+          softmax_step<kF16V>(st, s, p, limit, qk_scale, PerToken ? sm.token_scale[sk] : nullptr,
+                       PerToken ? sm.token_scale[sv] : nullptr, quad);
+        } else {
+#pragma unroll
+          for (int c = 0; c < 8; ++c) p[c][0] = p[c][1] = p[c][2] = p[c][3] = 0u;
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(smem_addr(&sm.empty[sk]));
+
+      // O += P V.
+      if constexpr (!PerToken) mbar_wait(smem_addr(&sm.ready[sv]), (jv / S) & 1);
+      if (computes) {
+        const uint32_t v_side = slots + uint32_t(sv * kSideBytes);
+        bool flagged = false;
+#pragma unroll
+        for (int i = 0; i < Shape::kScanWarps; ++i) flagged |= sm.nonfinite[sv][i] != 0;
+        if (!flagged) {
+          wgmma_fence();
+#pragma unroll
+          for (int c = 0; c < kPageSize / 16; ++c)
+#pragma unroll
+            for (int half = 0; half < 2; ++half)
+              wgmma_m64n64k16_rs_mn<kF16V>(st.o[half], p[c], tile_desc_mn(v_side, kPageSize, half, c));
+          wgmma_commit();
+          wgmma_wait<0>();
+        } else if (mine) {
+          pv_masked<kF16V>(st, p, v_side, limit, lane);
+        }
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(smem_addr(&sm.empty[sv]));
+      // Unchecked V: this row multiplied P = 0 on keys below the page's `read` (warp-uniform).
+      if (!checked && computes && row < nrows && limit < sm.pages.page_tokens[u]) suspect |= !accumulators_finite(st);
     }
-    __syncwarp();
-    if (lane == 0) mbar_arrive(smem_addr(&sm.empty[sv]));
+    if (checked) break;
+    // Every consumer warp votes through `verdict` (lane 0 writes and arrives: the release
+    // covers its own store); producers and consumers read the verdict after its phase.
+    const bool warp_suspect = __any_sync(0xffffffffu, suspect);
+    if (lane == 0) {
+      if (warp_suspect) sm.checked_pass = 1;
+      mbar_arrive(smem_addr(&sm.verdict));
+    }
+    mbar_wait(smem_addr(&sm.verdict), 0);
+    if (!*static_cast<volatile int32_t*>(&sm.checked_pass)) break;
   }
 
   // 4. The row's state per head, then its outputs (normalised) and LSE, or its partial.
@@ -589,12 +596,10 @@ __global__ void __launch_bounds__(DecodeShape<Consumers, F>::kThreads, 1)
   using Shape = DecodeShape<Consumers, F>;
   using Storage = DecodeStorage<Consumers, F>;
   extern __shared__ uint8_t smem_raw[];
-  const uint32_t base = align1024(smem_addr(smem_raw));
-  Storage& sm = *reinterpret_cast<Storage*>(smem_raw + (base - smem_addr(smem_raw)));
+  Storage& sm = shared_storage<Storage>(smem_raw);
+  const uint32_t base = smem_addr(&sm);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int64_t r0 = int64_t(blockIdx.x) * a.rows_per_tile;
-  const int nrows = int(min64(a.rows_per_tile, a.total_q - r0));
-  const int g = blockIdx.y, split = blockIdx.z;
+  const auto [r0, nrows, g, split] = decode_tile(a);
 
   // 1. Barriers, row positions, the split's distinct pages.
   if (tid == 0) {
@@ -607,6 +612,8 @@ __global__ void __launch_bounds__(DecodeShape<Consumers, F>::kThreads, 1)
       mbar_init(smem_addr(&sm.raw_full[i]), 1);
       mbar_init(smem_addr(&sm.raw_free[i]), Shape::kScanThreads);
     }
+    mbar_init(smem_addr(&sm.verdict), Shape::kConsumerWarps);
+    sm.checked_pass = 0;
   }
   if (tid < kMaxTileRows) sm.row_position[tid] = tid < nrows ? a.positions[r0 + tid] : kNoRow;
   preload_page_table(a, sm.table, r0, nrows);
@@ -620,11 +627,17 @@ __global__ void __launch_bounds__(DecodeShape<Consumers, F>::kThreads, 1)
   __syncthreads();  // the page list
   const int items = 2 * pages;
 
-  if (warp >= Shape::kConsumerWarps) {  // 2. the producer warpgroups
+  if (warp >= Shape::kConsumerWarps) {  // 2. the producer warpgroups, one or two passes
     if constexpr (Shape::kRebalance) setmaxnreg_dec<Shape::kProducerRegs>();
     const int pt = tid - 32 * Shape::kConsumerWarps;
-    if (pt == 0) issue_sides(sm, base, &k_map, &v_map, g, items);
-    else if (pt >= 32) scan_sides<Consumers, F, PerToken>(a, sm, base, g, items, pt - 32);
+    for (int pass = 0;; ++pass) {
+      const bool checked = !kOptimisticPass<F> || pass > 0;
+      if (pt == 0) issue_sides(sm, base, &k_map, &v_map, g, items, pass * items);
+      else if (pt >= 32) scan_sides<Consumers, F, PerToken>(a, sm, base, g, items, pass * items, checked, pt - 32);
+      if (checked) break;
+      mbar_wait(smem_addr(&sm.verdict), 0);
+      if (!*static_cast<volatile int32_t*>(&sm.checked_pass)) break;
+    }
     return;
   }
   if constexpr (Shape::kRebalance) setmaxnreg_inc<Shape::kConsumerRegs>();
@@ -670,7 +683,7 @@ int ctas_per_sm() {
 void launch_wgmma(KvFormat f, const AttnArgs& a, const CUtensorMap& k_map, const CUtensorMap& v_map, dim3 grid,
                   cudaStream_t stream) {
   const bool one = a.rows_per_tile <= kRowsPerWarpgroup;
-  detail::require(f != KvFormat::nvfp4, "paged_decode_wgmma_kernel: NVFP4 caches run on the mma.sync kernel");
+  detail::require(f != KvFormat::nvfp4, "paged_decode_wgmma_kernel: NVFP4 caches run on the row-warp kernel (paged_decode_rows.cu)");
   // Per-token scales (FP8 only: bf16 caches have no scales) are a separate instance, so that
   // the others carry no scale code.
   if (f == KvFormat::bf16) {
