@@ -232,12 +232,14 @@ __device__ __forceinline__ void load_query(const AttnArgs& a, int64_t r, int g, 
       for (int e = 0; e < 4; ++e) {
         v[h][p][2 * e] = __uint_as_float(w[e] << 16);
         v[h][p][2 * e + 1] = __uint_as_float(w[e] & 0xffff0000u);
-        mx = fmaxf(mx, fmaxf(fabsf(v[h][p][2 * e]), fabsf(v[h][p][2 * e + 1])));
+        // inf / NaN do not set the scale (they stay as they are and decide the logits either
+        // way), so that the finite values of their head do not overflow f16.
+        if (fabsf(v[h][p][2 * e]) < INFINITY) mx = fmaxf(mx, fabsf(v[h][p][2 * e]));
+        if (fabsf(v[h][p][2 * e + 1]) < INFINITY) mx = fmaxf(mx, fabsf(v[h][p][2 * e + 1]));
       }
     }
     mx = warp_max4(mx);
-    // mx = 0: any scale; inf: the scaled inf stays inf (and NaN NaN), as the logits would be.
-    const int e = mx > 0.0f && mx < INFINITY ? ilogbf(mx) : 0;
+    const int e = mx > 0.0f ? ilogbf(mx) : 0;  // mx = 0: any scale
     const float scale = ldexpf(1.0f, 14 - e);
     qk[h] = logit_scale / scale;
 #pragma unroll

@@ -15,8 +15,9 @@
 // Producer warps feed a ring of 16-bit sides (one side, K or V, of a page: 32 KB):
 //   issuer (one thread)     TMA of a side into a free slot: bf16 sides straight into the ring
 //                           (two column-half boxes), FP8 codes into a staging ring of raw sides;
-//   scanners (3 warps, 7    per side: FP8 codes widened into the ring exactly (to bf16; V to
-//    for FP8 caches)        f16 without per-token scales) with the side's per-token scales;
+//   scanners (3 warps, 7    per side: FP8 codes widened into the ring exactly (K to f16, the
+//    for FP8 caches)        query tile then f16 too; V to f16 without per-token scales, else
+//                           bf16) with the side's per-token scales;
 //                           rows past the most tokens any row reads zeroed (cache slots not
 //                           written yet: garbage);
 //                           V sides flagged when a row that some row reads holds inf / NaN.
@@ -91,6 +92,13 @@ struct DecodeShape {
 template <KvFormat F, bool PerToken>
 constexpr bool kF16Values = F == KvFormat::fp8_e4m3 && !PerToken;
 
+// S = Q K^T on f16 operands for FP8 caches: K sides widen to f16 (one conversion a pair of
+// codes, exact) and each (row, head) of the query tile is scaled by a power of two into f16's
+// range (scale_query_tile), undone on the logits: bf16's four conversions a pair of K codes
+// were most of the scanners' work.
+template <KvFormat F>
+constexpr bool kF16Keys = F == KvFormat::fp8_e4m3;
+
 // bf16 caches run a split's pages first without the V sides' inf / NaN check (see the top).
 template <KvFormat F>
 constexpr bool kOptimisticPass = F == KvFormat::bf16;
@@ -132,6 +140,7 @@ struct DecodeStorage {
   int32_t row_position[kMaxTileRows];  // kNoRow past the tile's rows
   uint8_t check_values[kMaxEntries];   // bf16: page u's V side is checked for inf / NaN (values_need_check)
   int32_t last_split;  // splits > 1: this CTA is the (tile, KV head)'s last to finish
+  float q_unscale[Consumers][64];  // FP8: per M-row of the query tile, 1 / its power-of-two scale
 };
 
 template <int Consumers, KvFormat F>
@@ -267,7 +276,7 @@ __device__ __forceinline__ void scan_sides(const AttnArgs& a, DecodeStorage<Cons
       // A V side's NaN codes flag it (E4M3 has no infinity); K needs none: a score a row must
       // not see becomes -inf whatever it was. V sides widen to f16 when P V runs on f16.
       if (i & 1) bad = inference::widen_fp8_side<kScan, kF16Values<F, PerToken>, true, kScanBatch>(raw, side, st, read);
-      else inference::widen_fp8_side<kScan, false, false, kScanBatch>(raw, side, st, read);
+      else inference::widen_fp8_side<kScan, kF16Keys<F>, false, kScanBatch>(raw, side, st, read);
       mbar_arrive(smem_addr(&sm.raw_free[r]));
     } else {
       mbar_wait(smem_addr(&sm.full[slot]), (j / S) & 1);
@@ -334,13 +343,13 @@ __device__ __forceinline__ void pv_masked(RowState& st, const uint32_t (&p)[8][4
   }
 }
 
-// The online-softmax step of this warp's row over a page (decode_pages.cuh). `k_scale` /
+// The online-softmax step of this warp's row over a page (decode_pages.cuh); qk: the logit
+// scale of the thread's heads gr, gr + 8. `k_scale` /
 // `v_scale`: the page's per-token scales, nullptr without. Keys past the limit have p = 0 and
 // their scale slots hold 0 (scan_sides), so their products stay 0.
 template <bool kF16>
 __device__ __forceinline__ void softmax_step(RowState& st, float (&s)[16][4], uint32_t (&p)[8][4], int limit,
-                                             float qk_scale, const float* k_scale, const float* v_scale, int quad) {
-  const float qk[2] = {qk_scale, qk_scale};
+                                             const float (&qk)[2], const float* k_scale, const float* v_scale, int quad) {
   TokenVWeights w{v_scale};
   online_softmax_page<kF16>(flat_outputs(st), st.m, st.l, s, p, limit, qk, k_scale, w, quad);
 }
@@ -458,6 +467,11 @@ __device__ __forceinline__ void consume_pages(const AttnArgs& a, DecodeStorage<C
   const float k_tensor = F != KvFormat::bf16 && a.kv.k_tensor_scale ? *a.kv.k_tensor_scale : 1.0f;
   const float v_tensor = F != KvFormat::bf16 && a.kv.v_tensor_scale ? *a.kv.v_tensor_scale : 1.0f;
   const float qk_scale = a.softmax_scale * k_tensor * math::kLog2e;
+  float qk[2] = {qk_scale, qk_scale};
+  if constexpr (kF16Keys<F>) {
+    qk[0] *= sm.q_unscale[wg][16 * w + gr];
+    qk[1] *= sm.q_unscale[wg][16 * w + gr + 8];
+  }
 
   RowState st;
   for (int pass = 0;; ++pass) {  // bf16: the optimistic pass, then the checked one if needed
@@ -486,7 +500,7 @@ __device__ __forceinline__ void consume_pages(const AttnArgs& a, DecodeStorage<C
         wgmma_fence();
 #pragma unroll
         for (int kk = 0; kk < kHeadDim / 16; ++kk)
-          wgmma_m64n128k16(s, tile_desc(q_tile, 64, 0, kk), tile_desc(k_side, kPageSize, 0, kk), kk > 0);
+          wgmma_m64n128k16<kF16Keys<F>>(s, tile_desc(q_tile, 64, 0, kk), tile_desc(k_side, kPageSize, 0, kk), kk > 0);
         wgmma_commit();
         wgmma_wait<0>();
       }
@@ -497,7 +511,7 @@ __device__ __forceinline__ void consume_pages(const AttnArgs& a, DecodeStorage<C
       uint32_t p[8][4];
       if (computes) {
         if (mine) {
-          softmax_step<kF16V>(st, s, p, limit, qk_scale, PerToken ? sm.token_scale[sk] : nullptr,
+          softmax_step<kF16V>(st, s, p, limit, qk, PerToken ? sm.token_scale[sk] : nullptr,
                        PerToken ? sm.token_scale[sv] : nullptr, quad);
         } else {
 #pragma unroll
@@ -589,6 +603,39 @@ __device__ __forceinline__ void load_query_tile(const AttnArgs& a, uint32_t q_ti
   cp_async_commit();
 }
 
+// FP8: the query tile in place from bf16 to f16, each M-row (a row's head) scaled by the power
+// of two that puts its largest finite |q| in [2^14, 2^15) (exact for every value above 2^-17
+// of that maximum; f16 subnormals below); `unscale`: the warpgroup's 64 inverses. Warp w takes
+// its 16 M-rows, two lanes a row, 8 chunks each. inf / NaN stay as they are (they decide the
+// logits either way), and do not set the scale: the finite values of their row do not overflow.
+__device__ __forceinline__ void scale_query_tile(uint32_t q_tile, float* unscale, int w, int lane) {
+  const int m = 16 * w + lane / 2, c0 = 8 * (lane % 2);
+  float v[8][8];
+  float mx = 0.0f;
+#pragma unroll
+  for (int c = 0; c < 8; ++c) {
+    const uint4 raw = ld_shared_v4(q_tile + tile_offset(64, m, c0 + c));
+    const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      v[c][2 * e] = __uint_as_float(words[e] << 16);
+      v[c][2 * e + 1] = __uint_as_float(words[e] & 0xffff0000u);
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      if (fabsf(v[c][i]) < INFINITY) mx = fmaxf(mx, fabsf(v[c][i]));
+  }
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  const int e = mx > 0.0f ? ilogbf(mx) : 0;
+  const float scale = ldexpf(1.0f, 14 - e);
+  if (lane % 2 == 0) unscale[m] = 1.0f / scale;
+#pragma unroll
+  for (int c = 0; c < 8; ++c)
+    st_shared_v4(q_tile + tile_offset(64, m, c0 + c), pack_f16(v[c][0] * scale, v[c][1] * scale),
+                 pack_f16(v[c][2] * scale, v[c][3] * scale), pack_f16(v[c][4] * scale, v[c][5] * scale),
+                 pack_f16(v[c][6] * scale, v[c][7] * scale));
+}
+
 template <int Consumers, KvFormat F, bool PerToken>
 __global__ void __launch_bounds__(DecodeShape<Consumers, F>::kThreads, 1)
     paged_decode_wgmma_kernel(const AttnArgs a, const __grid_constant__ CUtensorMap k_map,
@@ -644,6 +691,10 @@ __global__ void __launch_bounds__(DecodeShape<Consumers, F>::kThreads, 1)
 
   // 3. The consumer warpgroup's query tile landed, then its pages.
   cp_async_wait<0>();
+  if constexpr (kF16Keys<F>) {  // every thread's copies, then each warp rewrites its rows
+    sync_barrier(wg == 0 ? DecodeBarrier::kWarpgroup0 : DecodeBarrier::kWarpgroup1, 128);
+    scale_query_tile(q_tile, sm.q_unscale[wg], warp % 4, lane);
+  }
   fence_proxy_async();
   sync_barrier(wg == 0 ? DecodeBarrier::kWarpgroup0 : DecodeBarrier::kWarpgroup1, 128);
   consume_pages<Consumers, F, PerToken>(a, sm, base + uint32_t(offsetof(Storage, slot)), q_tile, pages, r0, nrows, g,
