@@ -496,6 +496,39 @@ TEST(GpuInference, DecodeAttentionMatchesCpuEveryFormat) {
     }
 }
 
+// FP8 and NVFP4 caches multiply f16 queries: each (row, head) is scaled by its own power of two
+// into f16's range and the logits undo it. Heads whose magnitudes span bf16's range (down to
+// 2^-120, where the scale is capped) and heads mixing values 2^40 apart must still match the
+// CPU backend. (Large magnitudes make the softmax one-hot, where any two summation orders may
+// pick different keys: the largest scale here is 2^4.)
+TEST(GpuInference, DecodeQueriesAcrossTheBf16Range) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  const int exponents[] = {-120, -60, -20, -6, 0, 4};
+  for (const char* f : {"bf16", "fp8", "fp8_token", "nvfp4"})
+    for (int Q : {1, 8}) {
+      SCOPED_TRACE(std::string("format ") + f + ", Q " + std::to_string(Q));
+      PagedCase c = make_decode_case(rng, Topology::minimax_m3(2), {2400, 300, 129}, Q, format_options(f));
+      const int64_t T = c.q.shape()[0], H = c.q.shape()[1], D = c.q.shape()[2];
+      for (int64_t t = 0; t < T; ++t)
+        for (int64_t h = 0; h < H; ++h) {
+          const int e = exponents[(t + h) % 6];
+          for (int64_t d = 0; d < D; ++d) {
+            const int64_t i = (t * H + h) * D + d;
+            const int mix = h % 4 == 3 && d % 2 ? -40 : 0;  // every fourth head: half its dims 2^40 smaller
+            c.q.set(i, std::ldexp(c.q.at(i), e + mix));
+          }
+        }
+      const HostTensor topk = cpu_indexer(c);
+      DeviceCase d(c);
+      for (int splits : {1, 4}) {
+        SCOPED_TRACE("splits " + std::to_string(splits));
+        expect_attention_matches_cpu(gpu_attention(c, d, gpu_plan(c, splits), topk, DType::f32),
+                                     cpu_attention(c, topk, splits, DType::f32));
+      }
+    }
+}
+
 TEST(GpuInference, PagedForwardAgainstOracle) {
   MSA_REQUIRE_GPU();
   MSA_SEEDED_RNG(rng);

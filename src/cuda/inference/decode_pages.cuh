@@ -62,6 +62,15 @@ __device__ __forceinline__ DecodeTile decode_tile(const AttnArgs& a) {
   return {r0, int(min64(a.rows_per_tile, a.total_q - r0)), int(blockIdx.y), int(blockIdx.z)};
 }
 
+// The power of two by which a query head whose largest finite |q| is `max_abs` becomes f16
+// operands: max_abs lands in [2^14, 2^15) (every bf16 value above 2^-17 of it exact), at most
+// 2^126 so that the inverse, applied to the logits, is a normal float (heads below 2^-112 keep
+// fewer bits). Both decode kernels use it for FP8 / NVFP4 caches.
+__device__ __forceinline__ float f16_query_scale(float max_abs) {
+  const int e = max_abs > 0.0f ? ilogbf(max_abs) : 0;
+  return ldexpf(1.0f, min(14 - e, 126));
+}
+
 // Keys of logical page `page` that a row at position `pos` sees (<= 0: none).
 __device__ __forceinline__ int visible_keys(int32_t pos, int32_t page) {
   return int(min64(kPageSize, int64_t(pos) - int64_t(page) * kPageSize + 1));

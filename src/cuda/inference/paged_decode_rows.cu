@@ -209,8 +209,7 @@ struct RowState {
 };
 
 // The row's queries as f16 A fragments of S's 8 k16 steps in the permuted k order, each head
-// scaled by a power of two that puts its largest |q| in [2^14, 2^15) (exact: bf16's 8 bits of
-// mantissa fit f16's 11 wherever f16 is normal); qk[h]: the logit factor that undoes it.
+// scaled by f16_query_scale (decode_pages.cuh); qk[h]: the logit factor that undoes it.
 __device__ __forceinline__ void load_query(const AttnArgs& a, int64_t r, int g, int lane, float logit_scale,
                                            uint32_t (&qa)[8][4], float (&qk)[2]) {
   const int quad = lane & 3, gid = lane >> 2;
@@ -239,8 +238,7 @@ __device__ __forceinline__ void load_query(const AttnArgs& a, int64_t r, int g, 
       }
     }
     mx = warp_max4(mx);
-    const int e = mx > 0.0f ? ilogbf(mx) : 0;  // mx = 0: any scale
-    const float scale = ldexpf(1.0f, 14 - e);
+    const float scale = f16_query_scale(mx);
     qk[h] = logit_scale / scale;
 #pragma unroll
     for (int p = 0; p < 4; ++p)

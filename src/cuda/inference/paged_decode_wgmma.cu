@@ -603,9 +603,8 @@ __device__ __forceinline__ void load_query_tile(const AttnArgs& a, uint32_t q_ti
   cp_async_commit();
 }
 
-// FP8: the query tile in place from bf16 to f16, each M-row (a row's head) scaled by the power
-// of two that puts its largest finite |q| in [2^14, 2^15) (exact for every value above 2^-17
-// of that maximum; f16 subnormals below); `unscale`: the warpgroup's 64 inverses. Warp w takes
+// FP8: the query tile in place from bf16 to f16, each M-row (a row's head) scaled by
+// f16_query_scale of its largest finite |q|; `unscale`: the warpgroup's 64 inverses. Warp w takes
 // its 16 M-rows, two lanes a row, 8 chunks each. inf / NaN stay as they are (they decide the
 // logits either way), and do not set the scale: the finite values of their row do not overflow.
 __device__ __forceinline__ void scale_query_tile(uint32_t q_tile, float* unscale, int w, int lane) {
@@ -626,8 +625,7 @@ __device__ __forceinline__ void scale_query_tile(uint32_t q_tile, float* unscale
       if (fabsf(v[c][i]) < INFINITY) mx = fmaxf(mx, fabsf(v[c][i]));
   }
   mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-  const int e = mx > 0.0f ? ilogbf(mx) : 0;
-  const float scale = ldexpf(1.0f, 14 - e);
+  const float scale = f16_query_scale(mx);
   if (lane % 2 == 0) unscale[m] = 1.0f / scale;
 #pragma unroll
   for (int c = 0; c < 8; ++c)
