@@ -25,7 +25,7 @@ enum class DecodeBarrier : int {
   kScanners = 4,    // the scanner warps, around their per-page flags
 };
 
-// paged_decode_rows_kernel (inference/paged_decode_rows.cu): 8 consumer warps and a producer warp.
+// paged_decode_rows_kernel (inference/paged_decode_rows.cu): 8 consumer warps and a producer warpgroup.
 enum class RowsBarrier : int {
   kConsumers = 1,  // the 256 consumer threads, around the ring's reuse for a row's warp states
 };
