@@ -68,7 +68,6 @@ constexpr int kRowWarps = 8;                          // consumer warps
 constexpr int kThreads = 32 * (kRowWarps + 4);
 constexpr int kProducerRegisters = 40, kConsumerRegisters = 232;
 static_assert(kProducerRegisters + 2 * kConsumerRegisters <= 512, "a sub-partition's registers");
-constexpr int kSharedLimit = 227 * 1024;
 constexpr int kRingBytes = 192 * 1024;                // the page ring (NVFP4: 128 KB, for its block scales)
 static_assert(kMaxTileRows <= kRowWarps, "a warp (at least) per tile row");
 
@@ -105,11 +104,11 @@ struct RowsStorage {
 };
 template <KvFormat F>
 constexpr int storage_bytes() {
-  return 1024 + int(sizeof(RowsStorage<F>));
+  return storage_smem_bytes<RowsStorage<F>>();  // checked against the sm_90 limit (device.cuh)
 }
-static_assert(storage_bytes<KvFormat::bf16>() <= kSharedLimit && storage_bytes<KvFormat::fp8_e4m3>() <= kSharedLimit &&
-                  storage_bytes<KvFormat::nvfp4>() <= kSharedLimit,
-              "paged_decode_rows_kernel: shared memory");
+static_assert(storage_bytes<KvFormat::bf16>() > 0 && storage_bytes<KvFormat::fp8_e4m3>() > 0 &&
+                  storage_bytes<KvFormat::nvfp4>() > 0,
+              "paged_decode_rows_kernel: every instance's shared-memory plan, checked at compile time");
 
 // A warp's state in the ring for the combination: per lane, 64 accumulators, 2 maxima, 2 sums.
 constexpr int kStateFloats = 68;

@@ -53,7 +53,6 @@ constexpr int kRowsPerWarpgroup = 4;                  // warp w of a consumer wa
 constexpr int kSideBytes = kPageSize * kHeadDim * 2;  // one bf16 side of a page: 32 KB
 constexpr int kBoxBytes = kSideBytes / 2;             // one bf16 TMA box: 64 columns of the 128 rows
 constexpr int kFp8SideBytes = kPageSize * kHeadDim;   // one FP8 side: one box of 16 KB
-constexpr int kSharedLimit = 227 * 1024;
 static_assert(kRowsPerWarpgroup * kGroupSize == 64, "a warpgroup's wgmma rows are 4 query rows x 16 heads");
 constexpr int32_t kNoRow = INT32_MIN;                 // row_position of a CTA row past the tile's
 
@@ -145,12 +144,11 @@ struct DecodeStorage {
 
 template <int Consumers, KvFormat F>
 constexpr int storage_bytes() {
-  return 1024 + int(sizeof(DecodeStorage<Consumers, F>));
+  return storage_smem_bytes<DecodeStorage<Consumers, F>>();  // checked against the sm_90 limit (device.cuh)
 }
-static_assert(storage_bytes<1, KvFormat::bf16>() <= kSharedLimit && storage_bytes<2, KvFormat::bf16>() <= kSharedLimit &&
-                  storage_bytes<1, KvFormat::fp8_e4m3>() <= kSharedLimit &&
-                  storage_bytes<2, KvFormat::fp8_e4m3>() <= kSharedLimit,
-              "paged_decode_wgmma_kernel: shared memory");
+static_assert(storage_bytes<1, KvFormat::bf16>() > 0 && storage_bytes<2, KvFormat::bf16>() > 0 &&
+                  storage_bytes<1, KvFormat::fp8_e4m3>() > 0 && storage_bytes<2, KvFormat::fp8_e4m3>() > 0,
+              "paged_decode_wgmma_kernel: every instance's shared-memory plan, checked at compile time");
 
 // Producer warp 0, one thread: the sides of the split's pages, in order (item i = side i % 2 of
 // page i / 2; j0 = the items of earlier passes, which the ring's slots and phases count on
