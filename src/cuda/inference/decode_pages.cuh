@@ -90,6 +90,7 @@ struct SplitPages {
   int2 entry_key[kMaxEntries];         // (request, logical page); (-1, -1): selects nothing
   int32_t entry_tokens[kMaxEntries];   // keys of the page the entry's row sees
   int32_t warp_firsts[kEntryWarps];    // first appearances per warp of entries
+  bool entry_first[kMaxEntries];       // the entry is its page's first appearance (PageOrder::by_page)
   int32_t page_physical[kMaxEntries];  // the split's pages, in union order
   int32_t page_logical[kMaxEntries];
   int32_t page_tokens[kMaxEntries];    // tokens read: the most any selecting row sees
@@ -123,11 +124,21 @@ __device__ __forceinline__ void preload_page_table(const AttnArgs& a, TableRow& 
   }
 }
 
+// The order of a split's pages. by_row: entry order, row by row (a page comes where its first
+// selecting row has it; a row's order then depends only on the rows before it): a split's share
+// holds few rows' pages, and the wgmma kernel's warpgroups skip the pages none of their rows
+// selected. by_page: by logical page, then request: the rows' pages interleave, so that any
+// window of the row-warp kernel's ring holds pages of most rows and their warps work at the same
+// time (row by row, a row's warps worked while the others waited on the ring: 1.3-1.8x slower
+// from 4 rows a tile where rows select apart, run 26), and each row meets its own pages in page
+// order whatever the other rows selected (docs/semantics.md §4.4: the rows' rounding too).
+enum class PageOrder { by_row, by_page };
+
 // Step 1 of both kernels: the union of the tile's selections and this split's share of it.
 // Every thread of the CTA calls it (it holds two CTA barriers; threads 0 .. 127 hold the
 // entries). `table`: preload_page_table's, when it ran before. Returns the split's page count.
 __device__ __forceinline__ int collect_pages(const AttnArgs& a, SplitPages& ctl, int64_t r0, int nrows, int g, int split,
-                                             const TableRow* table = nullptr) {
+                                             PageOrder order, const TableRow* table = nullptr) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int entries = nrows * kTopk;
   int2 key = make_int2(-1, -1);
@@ -161,6 +172,7 @@ __device__ __forceinline__ int collect_pages(const AttnArgs& a, SplitPages& ctl,
   }
   const uint32_t ballot = __ballot_sync(0xffffffffu, first);
   if (lane == 0 && warp < kEntryWarps) ctl.warp_firsts[warp] = __popc(ballot);
+  if (order == PageOrder::by_page && tid < entries) ctl.entry_first[tid] = first;
   __syncthreads();
   int unique = 0, before = __popc(ballot & ((1u << lane) - 1u));
 #pragma unroll
@@ -168,6 +180,16 @@ __device__ __forceinline__ int collect_pages(const AttnArgs& a, SplitPages& ctl,
     const int n = ctl.warp_firsts[w];
     unique += n;
     if (w < warp) before += n;
+  }
+  if (order == PageOrder::by_page) {  // the page's rank among the distinct (page, request)
+    before = 0;
+    if (first) {
+#pragma unroll 4
+      for (int e = 0; e < entries; ++e) {
+        const int2 other = ctl.entry_key[e];
+        before += ctl.entry_first[e] && (other.y < key.y || (other.y == key.y && other.x < key.x));
+      }
+    }
   }
   const int u0 = int(int64_t(split) * unique / a.splits), u1 = int(int64_t(split + 1) * unique / a.splits);
   if (first && before >= u0 && before < u1) {

@@ -666,7 +666,7 @@ __global__ void __launch_bounds__(DecodeShape<Consumers, F>::kThreads, 1)
   const int wg = warp / 4, wt = tid % 128;
   const uint32_t q_tile = base + uint32_t(offsetof(Storage, q)) + uint32_t(wg * sizeof(QueryTile));
   if (warp < Shape::kConsumerWarps) load_query_tile(a, q_tile, r0, nrows, g, wg, wt);
-  const int pages = collect_pages(a, sm.pages, r0, nrows, g, split, &sm.table);
+  const int pages = collect_pages(a, sm.pages, r0, nrows, g, split, PageOrder::by_row, &sm.table);
   __syncthreads();  // the page list
   const int items = 2 * pages;
 
