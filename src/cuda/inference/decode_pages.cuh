@@ -129,7 +129,7 @@ __device__ __forceinline__ void preload_page_table(const AttnArgs& a, TableRow& 
 // holds few rows' pages, and the wgmma kernel's warpgroups skip the pages none of their rows
 // selected. by_page: by logical page, then request: the rows' pages interleave, so that any
 // window of the row-warp kernel's ring holds pages of most rows and their warps work at the same
-// time (row by row, a row's warps worked while the others waited on the ring: 1.3-1.8x slower
+// time (row by row, a row's warps worked while the others waited on the ring: 1.2-1.8x slower
 // from 4 rows a tile where rows select apart, run 26), and each row meets its own pages in page
 // order whatever the other rows selected (docs/semantics.md §4.4: the rows' rounding too).
 enum class PageOrder { by_row, by_page };
