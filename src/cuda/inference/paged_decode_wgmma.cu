@@ -147,7 +147,7 @@ constexpr int storage_bytes() {
   return storage_smem_bytes<DecodeStorage<Consumers, F>>();  // checked against the sm_90 limit (device.cuh)
 }
 static_assert(storage_bytes<1, KvFormat::bf16>() > 0 && storage_bytes<2, KvFormat::bf16>() > 0 &&
-                  storage_bytes<1, KvFormat::fp8_e4m3>() > 0 && storage_bytes<2, KvFormat::fp8_e4m3>() > 0,
+                  storage_bytes<2, KvFormat::fp8_e4m3>() > 0,
               "paged_decode_wgmma_kernel: every instance's shared-memory plan, checked at compile time");
 
 // Producer warp 0, one thread: the sides of the split's pages, in order (item i = side i % 2 of
@@ -731,24 +731,24 @@ void launch_wgmma(KvFormat f, const AttnArgs& a, const CUtensorMap& k_map, const
                   cudaStream_t stream) {
   const bool one = a.rows_per_tile <= kRowsPerWarpgroup;
   detail::require(f != KvFormat::nvfp4, "paged_decode_wgmma_kernel: NVFP4 caches run on the row-warp kernel (paged_decode_rows.cu)");
+  // FP8 tiles of up to 4 rows run on the row-warp kernel (paged_attention.cu's dispatch), so
+  // FP8 has no one-warpgroup instance.
+  detail::require(f == KvFormat::bf16 || !one,
+                  "paged_decode_wgmma_kernel: FP8 tiles of up to 4 rows run on the row-warp kernel (paged_decode_rows.cu)");
   // Per-token scales (FP8 only: bf16 caches have no scales) are a separate instance, so that
   // the others carry no scale code.
-  if (f == KvFormat::bf16) {
+  if (f == KvFormat::bf16)
     one ? launch<1, KvFormat::bf16, false>(a, k_map, v_map, grid, stream)
         : launch<2, KvFormat::bf16, false>(a, k_map, v_map, grid, stream);
-  } else if (a.kv.k_token_scale) {
-    one ? launch<1, KvFormat::fp8_e4m3, true>(a, k_map, v_map, grid, stream)
-        : launch<2, KvFormat::fp8_e4m3, true>(a, k_map, v_map, grid, stream);
-  } else {
-    one ? launch<1, KvFormat::fp8_e4m3, false>(a, k_map, v_map, grid, stream)
-        : launch<2, KvFormat::fp8_e4m3, false>(a, k_map, v_map, grid, stream);
-  }
+  else if (a.kv.k_token_scale)
+    launch<2, KvFormat::fp8_e4m3, true>(a, k_map, v_map, grid, stream);
+  else
+    launch<2, KvFormat::fp8_e4m3, false>(a, k_map, v_map, grid, stream);
 }
 
 int wgmma_ctas_per_sm(int rows_per_tile) {
   return rows_per_tile <= kRowsPerWarpgroup
-             ? std::min({ctas_per_sm<1, KvFormat::bf16, false>(), ctas_per_sm<1, KvFormat::fp8_e4m3, false>(),
-                         ctas_per_sm<1, KvFormat::fp8_e4m3, true>()})
+             ? ctas_per_sm<1, KvFormat::bf16, false>()
              : std::min({ctas_per_sm<2, KvFormat::bf16, false>(), ctas_per_sm<2, KvFormat::fp8_e4m3, false>(),
                          ctas_per_sm<2, KvFormat::fp8_e4m3, true>()});
 }
