@@ -435,7 +435,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   preload_page_table(a, sm.table, r0, nrows);
   griddep_wait();
-  // Pages in page order from 4 rows a tile (tiles of 1 or 2 rows: row by row measured as fast or faster).
+  // Pages in page order from 4 rows a tile; row by row below (measured as fast or faster at 1 and 2 rows).
   const PageOrder order = nrows >= 4 ? PageOrder::by_page : PageOrder::by_row;
   const int pages = collect_pages(a, sm.pages, r0, nrows, g, split, order, &sm.table);
   __syncthreads();
