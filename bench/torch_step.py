@@ -6,7 +6,9 @@ heads, 4 KV heads, head dim 128, bf16): the indexer (select_blocks with its LSE)
 attention forward with LSE, the indexer's KL loss, and the backward of both. It is timed whole
 (CUDA events, warm-up excluded, median of --repeats) and beside it cuDNN's dense causal forward
 + backward on the same q / k / v, the ratio the training issue asks about. Also printed: how
-many plans the step built (msa.torch's plan cache, where the package has one).
+many plans the step built (msa.torch's plan cache, where the package has one), the memory its
+forward keeps for the backward (what each layer of a model holds until its backward) and the
+step's peak, both above the inputs.
 
 Usage: python bench/torch_step.py [--seqlens 4096 16384] [--selection independent] [--json out.json]
 Requires an NVIDIA GPU, PyTorch with CUDA and msa built with its CUDA backend.
@@ -30,7 +32,7 @@ def plans_built():
 
 
 def run(t, coherent, repeats, gen):
-    cu = torch.tensor([0, t], dtype=torch.int32, device="cuda")
+    cu = torch.tensor([0, t], dtype=torch.int32)  # layout metadata: on the host
     leaf = lambda x: x.detach().requires_grad_()  # noqa: E731
     g = lambda *s: (torch.randn(*s, generator=gen, device="cuda") * 0.2).bfloat16()  # noqa: E731
     q, k, v = leaf(g(t, HQ, D)), leaf(g(t, HKV, D)), leaf(g(t, HKV, D))
@@ -48,6 +50,19 @@ def run(t, coherent, repeats, gen):
     msa_step(0)
     torch.cuda.synchronize()
     builds = None if before is None else plans_built() - before
+    # Memory: what the step's forward keeps for its backward (a training model holds this per
+    # layer until the backward reaches it), and the step's peak.
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    topk, index_lse = mt.select_blocks(iq, ik, cu, return_lse=True)
+    out, lse = mt.sparse_attention(q, k, v, topk, cu, return_lse=True)
+    loss = mt.indexer_kl_loss(q, k, lse, iq, ik, index_lse, topk, cu)
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated() - base
+    torch.autograd.backward([out, loss], [dout, one])
+    del topk, index_lse, out, lse, loss
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
     msa_ms = try_run("msa step", lambda: time_ms(msa_step, 1, repeats))
 
     dq, dk, dv = (x.detach().transpose(0, 1)[None].contiguous().requires_grad_() for x in (q, k, v))
@@ -60,6 +75,7 @@ def run(t, coherent, repeats, gen):
     dense_ms = try_run("cuDNN dense", lambda: time_ms(dense_step, 1, repeats))
     return dict(T=t, selection="coherent" if coherent else "independent", msa_step_ms=msa_ms,
                 dense_fwd_bwd_ms=dense_ms, plans_built_per_step=builds,
+                held_for_backward_gib=held / 2**30, step_peak_gib=peak / 2**30,
                 dense_over_msa=(dense_ms / msa_ms) if msa_ms and dense_ms else None)
 
 
@@ -75,14 +91,16 @@ def main():
         sys.exit("torch_step.py needs a CUDA GPU")
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     records = []
-    print("| T | selection | msa layer step (ms) | plans built a step | cuDNN dense fwd+bwd (ms) | dense / msa |")
-    print("|---|---|---|---|---|---|")
+    print("| T | selection | msa layer step (ms) | plans built a step | held fwd→bwd (GiB) | step peak (GiB) | "
+          "cuDNN dense fwd+bwd (ms) | dense / msa |")
+    print("|---|---|---|---|---|---|---|---|")
     for t in args.seqlens:
         r = run(t, args.selection == "coherent", args.repeats, gen)
         records.append(r)
         f = lambda x, fmt: "—" if x is None else format(x, fmt)  # noqa: E731
         print(f"| {t} | {r['selection']} | {f(r['msa_step_ms'], '.3f')} | {f(r['plans_built_per_step'], 'd')} | "
-              f"{f(r['dense_fwd_bwd_ms'], '.3f')} | {f(r['dense_over_msa'], '.2f')}× |", flush=True)
+              f"{r['held_for_backward_gib']:.2f} | {r['step_peak_gib']:.2f} | {f(r['dense_fwd_bwd_ms'], '.3f')} | "
+              f"{f(r['dense_over_msa'], '.2f')}× |", flush=True)
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(dict(records=records), fh, indent=1)
