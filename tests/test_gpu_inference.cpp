@@ -8,9 +8,11 @@
 #include "test_gpu_support.h"
 
 #if MSA_WITH_CUDA
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <functional>
 #include <optional>
 #include <thread>
@@ -526,6 +528,57 @@ TEST(GpuInference, DecodeQueriesAcrossTheBf16Range) {
         expect_attention_matches_cpu(gpu_attention(c, d, gpu_plan(c, splits), topk, DType::f32),
                                      cpu_attention(c, topk, splits, DType::f32));
       }
+    }
+}
+
+// A row's result does not depend on what the other rows of its tile select
+// (docs/semantics.md §4.4): with one split, changing one selected page of each request's last
+// row leaves every other row bit for bit. A 40k request's NVFP4 tiles take their pages in
+// rounds, the 2.4k request's by page; tiles of 2 rows and the wgmma kernel's go row by row,
+// where a row's order depends only on the rows before it.
+TEST(GpuInference, DecodeRowsIgnoreOtherRowsSelections) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  for (const char* f : kFormats)
+    for (int Q : {2, 4, 8, 16}) {
+      SCOPED_TRACE(std::string("format ") + f + ", Q " + std::to_string(Q));
+      const PagedCase c = make_decode_case(rng, Topology::minimax_m3(2), {40000, 2400}, Q, format_options(f));
+      HostTensor topk = cpu_indexer(c);
+      DeviceCase d(c);
+      const InferencePlan plan = gpu_plan(c, 1);
+      const PagedOutputs before = gpu_attention(c, d, plan, topk, DType::f32);
+      const int64_t T = c.total_q();
+      const int Hi = c.topo.num_index_heads, Hq = c.topo.num_q_heads;
+      std::vector<bool> changed(size_t(T), false);
+      const auto ids = topk.ints();
+      for (size_t b = 0; b < c.seq_lens.size(); ++b) {
+        const int64_t r = c.cu_seqlens_q[b + 1] - 1;  // the request's last row
+        const int32_t local = (c.seq_lens[b] - 1) / 128;
+        for (int g = 0; g < Hi; ++g) {
+          const int64_t row0 = (int64_t(g) * T + r) * 16;
+          std::vector<int32_t> own(ids.begin() + row0, ids.begin() + row0 + 16);
+          int32_t other = 1;  // a visible history page the row did not select
+          while (other < local && std::find(own.begin(), own.end(), other) != own.end()) ++other;
+          ASSERT_LT(other, local) << "request " << b << " selects every page";
+          ASSERT_GE(own[1], 0);
+          ASSERT_NE(own[1], local);
+          topk.set(row0 + 1, float(other));  // slot 1: a history page (the local page comes last)
+        }
+        changed[size_t(r)] = true;
+      }
+      const PagedOutputs after = gpu_attention(c, d, plan, topk, DType::f32);
+      const auto o0 = before.out.floats(), o1 = after.out.floats(), l0 = before.lse.floats(), l1 = after.lse.floats();
+      int64_t differing = 0, moved = 0;
+      for (int64_t r = 0; r < T; ++r)
+        for (int64_t e = r * Hq * 128; e < (r + 1) * Hq * 128; ++e) {
+          const bool same = std::memcmp(&o0[size_t(e)], &o1[size_t(e)], sizeof(float)) == 0;
+          if (changed[size_t(r)]) moved += !same;
+          else if (!same && differing++ < 3) ADD_FAILURE() << "row " << r << " element " << e % (Hq * 128) << ": " << o0[size_t(e)] << " -> " << o1[size_t(e)];
+        }
+      for (int64_t i = 0; i < T * Hq; ++i)
+        if (!changed[size_t(i / Hq)]) EXPECT_EQ(std::memcmp(&l0[size_t(i)], &l1[size_t(i)], sizeof(float)), 0) << "lse of row " << i / Hq;
+      EXPECT_EQ(differing, 0) << "rows changed by another row's selection";
+      EXPECT_GT(moved, 0) << "the changed rows' own results did not change: the test changed nothing";
     }
 }
 

@@ -90,7 +90,14 @@ struct SplitPages {
   int2 entry_key[kMaxEntries];         // (request, logical page); (-1, -1): selects nothing
   int32_t entry_tokens[kMaxEntries];   // keys of the page the entry's row sees
   int32_t warp_firsts[kEntryWarps];    // first appearances per warp of entries
+  int32_t warp_valids[kEntryWarps];    // entries that select a page, per warp (PageOrder::in_rounds)
   bool entry_first[kMaxEntries];       // the entry is its page's first appearance (PageOrder::by_page)
+  // PageOrder::in_rounds: per row its entries by logical page; per entry its page's rows and
+  // the most tokens they see; per row its valid entries.
+  int32_t row_sorted[kMaxEntries];
+  uint32_t entry_rows[kMaxEntries];
+  int32_t entry_most[kMaxEntries];
+  int32_t row_count[kMaxTileRows];
   int32_t page_physical[kMaxEntries];  // the split's pages, in union order
   int32_t page_logical[kMaxEntries];
   int32_t page_tokens[kMaxEntries];    // tokens read: the most any selecting row sees
@@ -127,12 +134,51 @@ __device__ __forceinline__ void preload_page_table(const AttnArgs& a, TableRow& 
 // The order of a split's pages. by_row: entry order, row by row (a page comes where its first
 // selecting row has it; a row's order then depends only on the rows before it): a split's share
 // holds few rows' pages, and the wgmma kernel's warpgroups skip the pages none of their rows
-// selected. by_page: by logical page, then request: the rows' pages interleave, so that any
-// window of the row-warp kernel's ring holds pages of most rows and their warps work at the same
-// time (row by row, a row's warps worked while the others waited on the ring: 1.2-1.8x slower
-// from 4 rows a tile where rows select apart, run 26), and each row meets its own pages in page
-// order whatever the other rows selected (docs/semantics.md §4.4: the rows' rounding too).
-enum class PageOrder { by_row, by_page };
+// selected. by_page: by logical page, then request: the rows' pages interleave, so that a
+// window of the row-warp kernel's ring holds pages of most rows and their warps work at the
+// same time (row by row, a row's warps worked while the others waited on the ring: 1.2-1.8x
+// slower from 4 rows a tile where rows select apart, run 26). in_rounds: every row takes its
+// own pages by logical page, one a round, and a page shared by several rows comes in the first
+// round where it is next for all of them (within a round, by row): the rows interleave evenly,
+// but the rounds run one after another on one warp (run 27: worth it on long NVFP4 requests
+// whose rows select apart only). by_page and in_rounds keep each row's own pages in page order whatever the other rows
+// selected (docs/semantics.md §4.4: the rows' rounding too; run 25's slot order broke that).
+enum class PageOrder { by_row, by_page, in_rounds };
+
+// The rounds of PageOrder::in_rounds, by warp 0 (lane = tile row): each round every row with
+// pages left proposes its next one; a page proposed by every row that selected it is taken
+// (by its lowest row). The smallest page left is always taken, so each round takes at least
+// one. Writes this split's share [u0, u1) of the order.
+__device__ __forceinline__ void order_pages_in_rounds(const AttnArgs& a, SplitPages& ctl, int nrows, int u0, int u1,
+                                                      const TableRow* table) {
+  const int lane = threadIdx.x & 31;
+  const int count = lane < nrows ? ctl.row_count[lane] : 0;
+  int next = 0, taken = 0;
+  while (__any_sync(0xffffffffu, next < count)) {
+    const bool active = next < count;
+    const int e = active ? ctl.row_sorted[lane * kTopk + next] : 0;
+    const int2 key = active ? ctl.entry_key[e] : make_int2(-2 - lane, 0);  // an idle lane matches no other
+    const uint32_t rows = active ? ctl.entry_rows[e] : 0u;
+    const uint32_t same =
+        __match_any_sync(0xffffffffu, (static_cast<unsigned long long>(uint32_t(key.x)) << 32) | uint32_t(key.y));
+    const bool ready = active && same == rows;
+    const bool taker = ready && lane == __ffs(same) - 1;
+    const uint32_t takers = __ballot_sync(0xffffffffu, taker);
+    const int u = taken + __popc(takers & ((1u << lane) - 1u));
+    if (taker && u >= u0 && u < u1) {
+      ctl.page_physical[u - u0] = table && key.x == table->request && key.y < table->pages
+                                      ? table->physical[key.y]
+                                      : a.kv.page_table[int64_t(key.x) * a.kv.max_pages + key.y];
+      ctl.page_logical[u - u0] = key.y;
+      ctl.page_tokens[u - u0] = ctl.entry_most[e];
+      ctl.page_rows[u - u0] = rows;
+    }
+    taken += __popc(takers);
+    if (ready)  // past the page and any repeat of it in the row
+      do ++next;
+      while (next < count && ctl.entry_key[ctl.row_sorted[lane * kTopk + next]].y == key.y);
+  }
+}
 
 // Step 1 of both kernels: the union of the tile's selections and this split's share of it.
 // Every thread of the CTA calls it (it holds two CTA barriers; threads 0 .. 127 hold the
@@ -156,10 +202,13 @@ __device__ __forceinline__ int collect_pages(const AttnArgs& a, SplitPages& ctl,
   }
   if (table) cp_async_wait<0>();  // this thread's copies of the preloaded row
   __syncthreads();
-  // The entry's page: first appearance, the rows that selected it, the most tokens they see.
-  bool first = key.x >= 0;
+  // The entry's page: first appearance, the rows that selected it, the most tokens they see;
+  // its rank among its row's entries by page (a repeat right after the first).
+  const bool valid = key.x >= 0;
+  bool first = valid;
   uint32_t rows = 0;
-  if (first) {
+  int rank = 0;
+  if (valid) {
 #pragma unroll 4
     for (int e = 0; e < entries; ++e) {
       const int2 other = ctl.entry_key[e];
@@ -168,19 +217,36 @@ __device__ __forceinline__ int collect_pages(const AttnArgs& a, SplitPages& ctl,
         rows |= 1u << (e / kTopk);
         tokens = max(tokens, ctl.entry_tokens[e]);
       }
+      if (order == PageOrder::in_rounds)
+        rank += e / kTopk == tid / kTopk && other.x >= 0 && (other.y < key.y || (other.y == key.y && e < tid));
     }
   }
   const uint32_t ballot = __ballot_sync(0xffffffffu, first);
+  const uint32_t valids = __ballot_sync(0xffffffffu, valid);
   if (lane == 0 && warp < kEntryWarps) ctl.warp_firsts[warp] = __popc(ballot);
-  if (order == PageOrder::by_page && tid < entries) ctl.entry_first[tid] = first;
+  if (order != PageOrder::by_row && tid < entries) ctl.entry_first[tid] = first;
+  if (order == PageOrder::in_rounds && lane == 0 && warp < kEntryWarps) ctl.warp_valids[warp] = __popc(valids);
+  if (order == PageOrder::in_rounds && tid < entries) {
+    if (valid) {
+      ctl.row_sorted[(tid / kTopk) * kTopk + rank] = tid;
+      ctl.entry_rows[tid] = rows;
+      ctl.entry_most[tid] = tokens;
+    }
+    if (tid % kTopk == 0) ctl.row_count[tid / kTopk] = __popc((valids >> (lane & 16)) & 0xffffu);
+  }
   __syncthreads();
-  int unique = 0, before = __popc(ballot & ((1u << lane) - 1u));
+  int unique = 0, valid_entries = 0, before = __popc(ballot & ((1u << lane) - 1u));
 #pragma unroll
   for (int w = 0; w < kEntryWarps; ++w) {
     const int n = ctl.warp_firsts[w];
     unique += n;
+    if (order == PageOrder::in_rounds) valid_entries += ctl.warp_valids[w];
     if (w < warp) before += n;
   }
+  // Rounds only where the rows select apart (fewer than 2 rows a page on average): where they
+  // share their pages, by page is nearly the same order and costs no rounds. Either order keeps
+  // each row's pages in page order, so the choice changes no row's result with one split.
+  if (order == PageOrder::in_rounds && valid_entries >= 2 * unique) order = PageOrder::by_page;
   if (order == PageOrder::by_page) {  // the page's rank among the distinct (page, request)
     before = 0;
     if (first) {
@@ -192,7 +258,9 @@ __device__ __forceinline__ int collect_pages(const AttnArgs& a, SplitPages& ctl,
     }
   }
   const int u0 = int(int64_t(split) * unique / a.splits), u1 = int(int64_t(split + 1) * unique / a.splits);
-  if (first && before >= u0 && before < u1) {
+  if (order == PageOrder::in_rounds) {
+    if (warp == 0) order_pages_in_rounds(a, ctl, nrows, u0, u1, table);
+  } else if (first && before >= u0 && before < u1) {
     const int u = before - u0;
     ctl.page_physical[u] = table && key.x == table->request && key.y < table->pages
                                ? table->physical[key.y]

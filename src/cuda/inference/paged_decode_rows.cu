@@ -69,6 +69,7 @@ constexpr int kThreads = 32 * (kRowWarps + 4);
 constexpr int kProducerRegisters = 40, kConsumerRegisters = 232;
 static_assert(kProducerRegisters + 2 * kConsumerRegisters <= 512, "a sub-partition's registers");
 constexpr int kRingBytes = 192 * 1024;                // the page ring (NVFP4: 128 KB, for its block scales)
+constexpr int32_t kRoundsFromPosition = 32 * 1024;    // NVFP4 pages in rounds from this position on
 static_assert(kMaxTileRows <= kRowWarps, "a warp (at least) per tile row");
 
 // A page of the format: side 0 = K, 1 = V. FP8: token t's 128 codes at 128 t, 16-byte chunk c at
@@ -435,8 +436,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   preload_page_table(a, sm.table, r0, nrows);
   griddep_wait();
-  // Pages in page order from 4 rows a tile (tiles of 1 or 2 rows: row by row measured as fast or faster).
-  const PageOrder order = nrows >= 4 ? PageOrder::by_page : PageOrder::by_row;
+  // Pages in page order from 4 rows a tile (tiles of 1 or 2 rows: row by row measured as fast or
+  // faster); NVFP4 tiles of long requests in rounds where their rows select apart (run 27: their
+  // pages cost enough to repay the rounds; FP8 tiles and short requests lost 3-10 %). Both
+  // orders keep each row's pages in page order, so no row's rounding depends on the choice.
+  const bool long_request = a.positions[r0 + nrows - 1] >= kRoundsFromPosition;
+  const PageOrder order = nrows < 4 ? PageOrder::by_row
+                          : Page::kFp4 && long_request ? PageOrder::in_rounds
+                                                       : PageOrder::by_page;
   const int pages = collect_pages(a, sm.pages, r0, nrows, g, split, order, &sm.table);
   __syncthreads();
 
