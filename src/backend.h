@@ -49,9 +49,10 @@ std::shared_ptr<void> plan_streams(int device, void* home);
 void plan_uploaded(const std::shared_ptr<void>& streams, void* stream);
 int device_count();
 void select_blocks(const Topology&, const PackedLayout&, const SelectBlocksParams&, const RunOptions&);
-// `workspace`: the caller's scratch (checked: large enough, aligned) or empty to allocate one.
+// `workspace`: the caller's scratch (checked: large enough, aligned) or empty to allocate one;
+// `workspace_per_call`: none at all (every call passes its own).
 void build_plan(const Topology&, const PackedLayout&, const TensorView& topk, const TensorView& workspace,
-                SparsePlan& plan, const RunOptions&);
+                bool workspace_per_call, SparsePlan& plan, const RunOptions&);
 int64_t plan_workspace_bytes(const Topology&, const PackedLayout&);
 void sparse_attention_forward(const Topology&, const PackedLayout&, const SparsePlan&,
                               const AttentionForwardParams&, const RunOptions&);

@@ -361,6 +361,33 @@ TEST_F(Errors, PlanWorkspace) {
 #endif
 }
 
+// A workspace per call: refused beside a plan workspace, and on the CPU (which needs none),
+// where a workspace_per_call plan is an ordinary plan.
+TEST_F(Errors, WorkspacePerCall) {
+  HostTensor bytes(DType::u8, {1 << 20});
+  PlanOptions both;
+  both.workspace_per_call = true;
+  both.workspace = bytes.view();
+  expect_rejected([&] { build_plan(topo, L, topk.view(), both); },
+                  {"options.workspace_per_call means the plan holds no scratch", "pass the workspace to each call"});
+  PlanOptions per_call;
+  per_call.workspace_per_call = true;
+  const SparsePlan cpu_plan = build_plan(topo, L, topk.view(), per_call);
+  EXPECT_FALSE(cpu_plan.workspace_per_call);
+  auto f = forward_params();
+  f.workspace = bytes.view();
+  expect_rejected([&] { forward(f); }, {"sparse_attention_forward workspace is used by CUDA plans only, but q is on cpu"});
+  auto b = backward_params();
+  b.workspace = bytes.view();
+  expect_rejected([&] { backward(b); }, {"sparse_attention_backward workspace is used by CUDA plans only"});
+  auto kp = kl_params();
+  kp.workspace = bytes.view();
+  expect_rejected([&] { kl(kp); }, {"kl_backward workspace is used by CUDA plans only"});
+  // Without one the CPU plan runs as any other.
+  sparse_attention_forward(topo, L, cpu_plan, forward_params());
+  EXPECT_EQ(count_nan(o_lse.floats()), 0);
+}
+
 // ---- scalar parameters -------------------------------------------------------------------------
 
 TEST_F(Errors, LseTemperature) {

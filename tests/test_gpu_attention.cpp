@@ -196,5 +196,40 @@ TEST(GpuPlanWorkspace, SharedByTwoPlansGivesTheSameResults) {
   EXPECT_TRUE(bitwise_equal(got.dv, want.dv));
 }
 
+// A plan without scratch (PlanOptions::workspace_per_call) runs on the workspace each call
+// passes, here two different NaN-filled buffers: bit for bit the results of a plan with its
+// own; a call without one is refused by name.
+TEST(GpuPlanWorkspace, PerCallWorkspaceGivesTheSameResults) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  const Topology topo;
+  const PackedLayout L = layout_of({2500, 300, 3});
+  const AttentionCase c = make_case(rng, topo, L);
+  DeviceTensor q(c.q), k(c.k), v(c.v), topk(c.topk);
+  const HostTensor dout = random_tensor(rng, {L.total_q(), 64, 128});
+  const SparsePlan own = build_plan(topo, L, topk.view());
+  const ForwardOutputs want_fwd = gpu_forward(c, own, q, k, v, topk);
+  DeviceTensor out(want_fwd.out), lse(want_fwd.lse), ddout(dout);
+  const GpuGrads want = gpu_backward(c, own, q, k, v, topk, out, lse, ddout, true, DType::f32);
+
+  PlanOptions per_call;
+  per_call.workspace_per_call = true;
+  const SparsePlan plan = build_plan(topo, L, topk.view(), per_call);
+  EXPECT_TRUE(plan.workspace_per_call);
+  expect_error([&] { gpu_forward(c, plan, q, k, v, topk); },
+               {"sparse_attention_forward: the plan was built with workspace_per_call", "pass workspace"});
+  const int64_t bytes = plan_workspace_bytes(topo, L, kGpu);
+  HostTensor nan_bytes(DType::u8, {bytes});
+  std::fill(nan_bytes.data<uint8_t>(), nan_bytes.data<uint8_t>() + bytes, uint8_t(0xff));  // NaN in bf16 and f32
+  const DeviceTensor first(nan_bytes), second(nan_bytes);
+  const ForwardOutputs got_fwd = gpu_forward(c, plan, q, k, v, topk, DType::bf16, first.view());
+  const GpuGrads got = gpu_backward(c, plan, q, k, v, topk, out, lse, ddout, true, DType::f32, second.view());
+  EXPECT_TRUE(bitwise_equal(got_fwd.out, want_fwd.out));
+  EXPECT_TRUE(bitwise_equal(got_fwd.lse, want_fwd.lse));
+  EXPECT_TRUE(bitwise_equal(got.dq, want.dq));
+  EXPECT_TRUE(bitwise_equal(got.dk, want.dk));
+  EXPECT_TRUE(bitwise_equal(got.dv, want.dv));
+}
+
 }  // namespace
 }  // namespace msa::test

@@ -92,7 +92,7 @@ inline Selection cpu_select(const Topology& topo, const PackedLayout& L, const H
 // Forward on the GPU with a plan built there from `topk`.
 inline ForwardOutputs gpu_forward(const AttentionCase& c, const SparsePlan& gplan, const DeviceTensor& q,
                                   const DeviceTensor& k, const DeviceTensor& v, const DeviceTensor& topk,
-                                  DType out_dtype = DType::bf16) {
+                                  DType out_dtype = DType::bf16, const TensorView& workspace = {}) {
   DeviceTensor out(out_dtype, {c.layout.total_q(), c.topo.num_q_heads, c.topo.head_dim});
   DeviceTensor lse(DType::f32, {c.layout.total_q(), c.topo.num_q_heads});
   out.poison();
@@ -104,6 +104,7 @@ inline ForwardOutputs gpu_forward(const AttentionCase& c, const SparsePlan& gpla
   p.topk = topk.view();
   p.out = out.view();
   p.lse = lse.view();
+  p.workspace = workspace;
   sparse_attention_forward(c.topo, c.layout, gplan, p);
   return {out.host(), lse.host()};
 }
@@ -115,7 +116,8 @@ struct GpuGrads {
 
 inline GpuGrads gpu_backward(const AttentionCase& c, const SparsePlan& plan, const DeviceTensor& q, const DeviceTensor& k,
                       const DeviceTensor& v, const DeviceTensor& topk, const DeviceTensor& out, const DeviceTensor& lse,
-                      const DeviceTensor& dout, bool deterministic, DType grad_dtype = DType::bf16) {
+                      const DeviceTensor& dout, bool deterministic, DType grad_dtype = DType::bf16,
+                      const TensorView& workspace = {}) {
   const int64_t Tq = c.layout.total_q(), Tk = c.layout.total_k();
   DeviceTensor dq(grad_dtype, {Tq, c.topo.num_q_heads, c.topo.head_dim}), dk(grad_dtype, {Tk, c.topo.num_kv_heads, c.topo.head_dim}),
       dv(grad_dtype, {Tk, c.topo.num_kv_heads, c.topo.head_dim});
@@ -133,6 +135,7 @@ inline GpuGrads gpu_backward(const AttentionCase& c, const SparsePlan& plan, con
   p.dq = dq.view();
   p.dk = dk.view();
   p.dv = dv.view();
+  p.workspace = workspace;
   RunOptions opt;
   opt.deterministic = deterministic;
   sparse_attention_backward(c.topo, c.layout, plan, p, opt);

@@ -57,6 +57,11 @@ struct PlanOptions {
   // allocations cost up to hundreds of ms). The caller keeps it alive as long as the plan,
   // and orders every operation of every plan sharing it (one stream), as for one plan.
   TensorView workspace;
+  // CUDA plans only (a CPU plan needs no scratch and ignores it): the plan holds no scratch,
+  // and every forward / backward / KL call on it passes its own in the params' `workspace`.
+  // Kept between calls, such a plan costs only its CSR and schedule (at 16k tokens its scratch
+  // is ~4.4 GB), so one plan can serve a layer's forward, backward and KL. Not with `workspace`.
+  bool workspace_per_call = false;
 };
 
 // Bytes of scratch a CUDA plan for this layout uses (forward partials, backward and KL
@@ -99,6 +104,7 @@ struct SparsePlan {
   // (read work_count_dev), and forward / backward / KL run on such a plan write NaN to all
   // their outputs.
   Buffer status;
+  bool workspace_per_call = false;  // a CUDA plan built with PlanOptions::workspace_per_call
   std::shared_ptr<void> backend;  // backend-private metadata and scratch (CUDA)
 };
 
@@ -120,6 +126,8 @@ struct AttentionForwardParams {
                     //   (checked; empty = the plan's own, plan.selection)
   TensorView out;   // out: [total_q, Hq, 128] bf16 or f32
   TensorView lse;   // out: [total_q, Hq] f32, natural log
+  TensorView workspace;  // optional, CUDA: uint8 [n >= plan_workspace_bytes], 256-byte aligned: this
+                         //   call's scratch instead of the plan's (required by a workspace_per_call plan)
 };
 void sparse_attention_forward(const Topology& topo, const PackedLayout& layout, const SparsePlan& plan,
                               const AttentionForwardParams& p, const RunOptions& opt = {});
@@ -137,6 +145,8 @@ struct AttentionBackwardParams {
   TensorView dq;    // out: [total_q, Hq, 128] bf16 or f32
   TensorView dk;    // out: [total_k, Hkv, 128] bf16 or f32
   TensorView dv;    // out: [total_k, Hkv, 128] bf16 or f32
+  TensorView workspace;  // optional, CUDA: uint8 [n >= plan_workspace_bytes], 256-byte aligned: this
+                         //   call's scratch instead of the plan's (required by a workspace_per_call plan)
 };
 void sparse_attention_backward(const Topology& topo, const PackedLayout& layout, const SparsePlan& plan,
                                const AttentionBackwardParams& p, const RunOptions& opt = {});
@@ -160,6 +170,8 @@ struct KlBackwardParams {
   TensorView dindex_q;   // out: [total_q, Hi, Di] bf16 or f32
   TensorView dindex_k;   // out: [total_k, 1, Di] bf16 or f32
   float grad_scale = 0;
+  TensorView workspace;  // optional, CUDA: uint8 [n >= plan_workspace_bytes], 256-byte aligned: this
+                         //   call's scratch instead of the plan's (required by a workspace_per_call plan)
 };
 void kl_backward(const Topology& topo, const PackedLayout& layout, const SparsePlan& plan,
                  const KlBackwardParams& p, const RunOptions& opt = {});

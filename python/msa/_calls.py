@@ -270,34 +270,36 @@ def select_blocks(topo, layout, index_q, index_k, topk, selected_lse, lse_temper
                               float(lse_temperature), **run.kwargs())
 
 
-def build_plan(topo, layout, topk, run: RunOptions, *, q_per_cta=8, workspace=None):
+def build_plan(topo, layout, topk, run: RunOptions, *, q_per_cta=8, workspace=None, workspace_per_call=False):
     with on_device(topk):
         return _native.build_plan(topo, layout, array(topk), integer(q_per_cta, "q_per_cta"), array(workspace),
-                                  **run.kwargs())
+                                  bool(workspace_per_call), **run.kwargs())
 
 
 def plan_workspace_bytes(topo, layout, device):
     return _native.plan_workspace_bytes(topo, layout, device_name(device))
 
 
-def sparse_attention_forward(topo, layout, plan, q, k, v, topk, out, lse, run: RunOptions):
+def sparse_attention_forward(topo, layout, plan, q, k, v, topk, out, lse, run: RunOptions, workspace=None):
     with on_device(q):
         _native.sparse_attention_forward(topo, layout, plan, array(q), array(k), array(v), array(topk), array(out),
-                                         array(lse), **run.kwargs())
+                                         array(lse), array(workspace), **run.kwargs())
 
 
-def sparse_attention_backward(topo, layout, plan, q, k, v, topk, out, lse, dout, dq, dk, dv, run: RunOptions):
+def sparse_attention_backward(topo, layout, plan, q, k, v, topk, out, lse, dout, dq, dk, dv, run: RunOptions,
+                              workspace=None):
     with on_device(q):
         _native.sparse_attention_backward(topo, layout, plan, array(q), array(k), array(v), array(topk), array(out),
-                                          array(lse), array(dout), array(dq), array(dk), array(dv), **run.kwargs())
+                                          array(lse), array(dout), array(dq), array(dk), array(dv), array(workspace),
+                                          **run.kwargs())
 
 
 def kl_backward(topo, layout, plan, q, k, lse, index_q, index_k, index_lse, topk, dindex_q, dindex_k, grad_scale,
-                run: RunOptions):
+                run: RunOptions, workspace=None):
     with on_device(q):
         _native.kl_backward(topo, layout, plan, array(q), array(k), array(lse), array(index_q), array(index_k),
                             array(index_lse), array(topk), array(dindex_q), array(dindex_k), float(grad_scale),
-                            **run.kwargs())
+                            array(workspace), **run.kwargs())
 
 
 def merge_states(out_partials, lse_partials, out, lse, run: RunOptions):

@@ -71,18 +71,22 @@ def select_blocks(index_q, index_k, layout, topology=None, *, return_lse=False, 
     return (topk, lse) if return_lse else topk
 
 
-def build_plan(topk, layout, topology=None, *, q_per_cta=8, workspace=None, deterministic=False, num_threads=0,
-               stream=None):
+def build_plan(topk, layout, topology=None, *, q_per_cta=8, workspace=None, workspace_per_call=False,
+               deterministic=False, num_threads=0, stream=None):
     """Validates ``topk`` against the layout and builds the reusable k2q plan (a Plan).
 
     ``workspace`` (CUDA plans only): a uint8 CUDA array of at least ``plan_workspace_bytes``
     bytes that the plan uses as its scratch instead of allocating its own, e.g. one buffer
     allocated once for the largest micro-batch and given to every plan. The plan keeps it
-    alive; the operations of all plans sharing it must run in order on one stream."""
+    alive; the operations of all plans sharing it must run in order on one stream.
+    ``workspace_per_call`` (CUDA plans only; ignored on the CPU): the plan holds no scratch and
+    every ``forward`` / ``backward`` / ``kl_backward`` on it passes ``workspace=``, so that a
+    plan kept from a forward to its backward costs only its CSR and schedule."""
     hkv = _dim(topk, 0, "topk", 3)
     topo = _topology(topology, GROUP_SIZE * hkv, hkv)
     run = _calls.run_options(topk, deterministic=deterministic, num_threads=num_threads, stream=stream)
-    return _calls.build_plan(topo, layout, topk, run, q_per_cta=q_per_cta, workspace=workspace)
+    return _calls.build_plan(topo, layout, topk, run, q_per_cta=q_per_cta, workspace=workspace,
+                             workspace_per_call=workspace_per_call)
 
 
 def plan_workspace_bytes(layout, topology=None, *, num_q_heads=64, num_kv_heads=4, device="cuda"):
@@ -109,42 +113,44 @@ def _attention_setup(q, k, topk, layout, plan, topology, deterministic, num_thre
     return topo, run, plan
 
 
-def forward(q, k, v, topk, layout, plan=None, topology=None, *, out_dtype="float32", deterministic=False,
-            num_threads=0, stream=None):
-    """Sparse attention forward: (out [total_q, Hq, 128] of ``out_dtype``, lse float32 [total_q, Hq])."""
+def forward(q, k, v, topk, layout, plan=None, topology=None, *, out_dtype="float32", workspace=None,
+            deterministic=False, num_threads=0, stream=None):
+    """Sparse attention forward: (out [total_q, Hq, 128] of ``out_dtype``, lse float32 [total_q, Hq]).
+    ``workspace`` (CUDA): this call's scratch instead of the plan's (see ``build_plan``)."""
     _check_out_dtype(out_dtype, "out_dtype")
     topo, run, plan = _attention_setup(q, k, topk, layout, plan, topology, deterministic, num_threads, stream)
     out = _calls.empty(q, tuple(q.shape), out_dtype)
     lse = _calls.empty(q, tuple(q.shape[:2]), "float32")
-    _calls.sparse_attention_forward(topo, layout, plan, q, k, v, topk, out, lse, run)
+    _calls.sparse_attention_forward(topo, layout, plan, q, k, v, topk, out, lse, run, workspace)
     return out, lse
 
 
 def backward(dout, q, k, v, topk, out, lse, layout, plan=None, topology=None, *, grad_dtype="float32",
-             deterministic=False, num_threads=0, stream=None):
-    """Sparse attention backward: (dq, dk, dv) of ``grad_dtype``."""
+             workspace=None, deterministic=False, num_threads=0, stream=None):
+    """Sparse attention backward: (dq, dk, dv) of ``grad_dtype``. ``workspace``: as for ``forward``."""
     _check_out_dtype(grad_dtype, "grad_dtype")
     topo, run, plan = _attention_setup(q, k, topk, layout, plan, topology, deterministic, num_threads, stream)
     dq = _calls.empty(q, tuple(q.shape), grad_dtype)
     dk = _calls.empty(q, tuple(k.shape), grad_dtype)
     dv = _calls.empty(q, tuple(v.shape), grad_dtype)
-    _calls.sparse_attention_backward(topo, layout, plan, q, k, v, topk, out, lse, dout, dq, dk, dv, run)
+    _calls.sparse_attention_backward(topo, layout, plan, q, k, v, topk, out, lse, dout, dq, dk, dv, run, workspace)
     return dq, dk, dv
 
 
 def kl_backward(q, k, lse, index_q, index_k, index_lse, topk, layout, plan=None, topology=None, *, grad_scale=0.0,
-                grad_dtype="float32", deterministic=False, num_threads=0, stream=None):
+                grad_dtype="float32", workspace=None, deterministic=False, num_threads=0, stream=None):
     """Gradient of the indexer's KL(teacher || student) w.r.t. index_q and index_k.
 
     Teacher: mean over a group's 16 query heads of the main attention probabilities (from q, k,
     lse); student: softmax of the index scores (index_lse = select_blocks' LSE at temperature 1),
     both over the selected causal keys. ``grad_scale`` 0 means 1 / (Hi * total_q): the gradient
-    of the KL averaged over index heads and tokens."""
+    of the KL averaged over index heads and tokens. ``workspace``: as for ``forward``."""
     _check_out_dtype(grad_dtype, "grad_dtype")
     topo, run, plan = _attention_setup(q, k, topk, layout, plan, topology, deterministic, num_threads, stream)
     diq = _calls.empty(q, tuple(index_q.shape), grad_dtype)
     dik = _calls.empty(q, tuple(index_k.shape), grad_dtype)
-    _calls.kl_backward(topo, layout, plan, q, k, lse, index_q, index_k, index_lse, topk, diq, dik, grad_scale, run)
+    _calls.kl_backward(topo, layout, plan, q, k, lse, index_q, index_k, index_lse, topk, diq, dik, grad_scale, run,
+                       workspace)
     return diq, dik
 
 

@@ -31,20 +31,23 @@ void select_blocks_py(const Topology& topo, const PackedLayout& layout, const In
 }
 
 Plan build_plan_py(const Topology& topo, const PackedLayout& layout, const InArray& topk, int q_per_cta,
-                   const std::optional<OutArray>& workspace, bool deterministic, int num_threads, uintptr_t stream) {
+                   const std::optional<OutArray>& workspace, bool workspace_per_call, bool deterministic,
+                   int num_threads, uintptr_t stream) {
   const TensorView t = to_view(topk, "topk");
   PlanOptions options;
   options.q_per_cta = q_per_cta;
   options.workspace = to_view(workspace, "workspace");
+  options.workspace_per_call = workspace_per_call;
   const RunOptions opt = run_options(deterministic, num_threads, stream);
   nb::gil_scoped_release unlocked;
   return Plan{build_plan(topo, layout, t, options, opt), topo, workspace};
 }
 
 void forward_py(const Topology& topo, const PackedLayout& layout, const Plan& plan, const InArray& q, const InArray& k,
-                const InArray& v, const std::optional<InArray>& topk, const OutArray& out, const OutArray& lse, bool deterministic,
-                int num_threads, uintptr_t stream) {
+                const InArray& v, const std::optional<InArray>& topk, const OutArray& out, const OutArray& lse,
+                const std::optional<OutArray>& workspace, bool deterministic, int num_threads, uintptr_t stream) {
   AttentionForwardParams p;
+  p.workspace = to_view(workspace, "workspace");
   p.q = to_view(q, "q");
   p.k = to_view(k, "k");
   p.v = to_view(v, "v");
@@ -58,9 +61,10 @@ void forward_py(const Topology& topo, const PackedLayout& layout, const Plan& pl
 
 void backward_py(const Topology& topo, const PackedLayout& layout, const Plan& plan, const InArray& q, const InArray& k,
                  const InArray& v, const std::optional<InArray>& topk, const InArray& out, const InArray& lse, const InArray& dout,
-                 const OutArray& dq, const OutArray& dk, const OutArray& dv, bool deterministic, int num_threads,
-                 uintptr_t stream) {
+                 const OutArray& dq, const OutArray& dk, const OutArray& dv, const std::optional<OutArray>& workspace,
+                 bool deterministic, int num_threads, uintptr_t stream) {
   AttentionBackwardParams p;
+  p.workspace = to_view(workspace, "workspace");
   p.q = to_view(q, "q");
   p.k = to_view(k, "k");
   p.v = to_view(v, "v");
@@ -79,8 +83,10 @@ void backward_py(const Topology& topo, const PackedLayout& layout, const Plan& p
 void kl_backward_py(const Topology& topo, const PackedLayout& layout, const Plan& plan, const InArray& q,
                     const InArray& k, const InArray& lse, const InArray& index_q, const InArray& index_k,
                     const InArray& index_lse, const std::optional<InArray>& topk, const OutArray& dindex_q, const OutArray& dindex_k,
-                    float grad_scale, bool deterministic, int num_threads, uintptr_t stream) {
+                    float grad_scale, const std::optional<OutArray>& workspace, bool deterministic, int num_threads,
+                    uintptr_t stream) {
   KlBackwardParams p;
+  p.workspace = to_view(workspace, "workspace");
   p.q = to_view(q, "q");
   p.k = to_view(k, "k");
   p.lse = to_view(lse, "lse");
@@ -129,10 +135,13 @@ void bind_ops(nb::module_& m) {
         "Indexer: writes topk [Hi, total_q, 16] int32 (and optionally selected_lse [Hi, total_q] f32) from "
         "index_q [total_q, Hi, 128] bf16 and index_k [total_k, 1, 128] bf16.");
   m.def("build_plan", &build_plan_py, nb::arg("topology"), nb::arg("layout"), nb::arg("topk"),
-        nb::arg("q_per_cta") = 8, nb::arg("workspace").none() = nb::none(), MSA_RUN_ARGS,
+        nb::arg("q_per_cta") = 8, nb::arg("workspace").none() = nb::none(), nb::arg("workspace_per_call") = false,
+        MSA_RUN_ARGS,
         "Validates topk against the layout and builds the k2q plan on topk's device. workspace: optional "
         "uint8 [n >= plan_workspace_bytes] CUDA array the plan uses as its scratch instead of allocating one "
-        "(kept alive with the plan; operations of plans sharing it must run in order on one stream).");
+        "(kept alive with the plan; operations of plans sharing it must run in order on one stream). "
+        "workspace_per_call: a CUDA plan holds no scratch and every forward / backward / KL call passes its own "
+        "workspace (a plan kept between calls then costs only its CSR and schedule).");
   m.def(
       "plan_workspace_bytes",
       [](const Topology& topo, const PackedLayout& layout, const std::string& device) {
@@ -141,16 +150,21 @@ void bind_ops(nb::module_& m) {
       nb::arg("topology"), nb::arg("layout"), nb::arg("device") = "cuda",
       "Bytes of scratch a plan for this layout uses on `device` ('cpu': 0; 'cuda' / 'cuda:N').");
   m.def("sparse_attention_forward", &forward_py, nb::arg("topology"), nb::arg("layout"), nb::arg("plan"),
-        nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("topk").none(), nb::arg("out"), nb::arg("lse"), MSA_RUN_ARGS,
+        nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("topk").none(), nb::arg("out"), nb::arg("lse"),
+        nb::arg("workspace").none() = nb::none(), MSA_RUN_ARGS,
         "Writes out [total_q, Hq, 128] (bf16 or f32) and lse [total_q, Hq] f32 (natural log). topk None: the "
-        "plan's own selection; another topk is compared with it (on CUDA: one stream synchronisation).");
+        "plan's own selection; another topk is compared with it (on CUDA: one stream synchronisation). "
+        "workspace: this call's CUDA scratch (uint8 [n >= plan_workspace_bytes]) instead of the plan's.");
   m.def("sparse_attention_backward", &backward_py, nb::arg("topology"), nb::arg("layout"), nb::arg("plan"),
         nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("topk").none(), nb::arg("out"), nb::arg("lse"), nb::arg("dout"),
-        nb::arg("dq"), nb::arg("dk"), nb::arg("dv"), MSA_RUN_ARGS, "Writes dq, dk, dv of the sparse attention.");
+        nb::arg("dq"), nb::arg("dk"), nb::arg("dv"), nb::arg("workspace").none() = nb::none(), MSA_RUN_ARGS,
+        "Writes dq, dk, dv of the sparse attention. workspace: as for sparse_attention_forward.");
   m.def("kl_backward", &kl_backward_py, nb::arg("topology"), nb::arg("layout"), nb::arg("plan"), nb::arg("q"),
         nb::arg("k"), nb::arg("lse"), nb::arg("index_q"), nb::arg("index_k"), nb::arg("index_lse"), nb::arg("topk").none(),
-        nb::arg("dindex_q"), nb::arg("dindex_k"), nb::arg("grad_scale") = 0.0f, MSA_RUN_ARGS,
-        "Writes the gradient of the indexer's KL(teacher || student) w.r.t. index_q and index_k.");
+        nb::arg("dindex_q"), nb::arg("dindex_k"), nb::arg("grad_scale") = 0.0f, nb::arg("workspace").none() = nb::none(),
+        MSA_RUN_ARGS,
+        "Writes the gradient of the indexer's KL(teacher || student) w.r.t. index_q and index_k. workspace: as "
+        "for sparse_attention_forward.");
   m.def("merge_states", &merge_states_py, nb::arg("out_partials"), nb::arg("lse_partials"), nb::arg("out"),
         nb::arg("lse"), MSA_RUN_ARGS, "Merges partial attention states [S, rows, H, D] / [S, rows, H] by LSE.");
   m.def("pack", &pack_py, nb::arg("layout"), nb::arg("padded"), nb::arg("packed"), nb::arg("stream") = 0,

@@ -101,22 +101,38 @@ TensorView bound_selection(const SparsePlan& plan, const TensorView& topk, const
               " in the plan); build a plan from this topk, or pass the plan's own plan.selection"));
 }
 
-// A caller's plan workspace: CUDA only, uint8 [n] contiguous on the plan's device, large enough
-// for this layout and 256-byte aligned (the kernels' TMA maps and vector stores need it).
-void check_plan_workspace(const Topology& topo, const PackedLayout& L, const TensorView& ws, Device dev) {
-  require(dev.is_cuda(), concat("options.workspace is used by CUDA plans only, but topk is on ", to_string(dev),
-                                " (leave options.workspace empty)"));
-  require(ws.rank == 1, concat("options.workspace must be 1-D, uint8 [n], got shape ", ws.shape_string()));
-  check_tensor(ws, "options.workspace", {DType::u8}, {Dim(ws.shape[0], "n")}, dev);
+// A caller's workspace (`name`: options.workspace at build_plan, workspace in a call's params):
+// CUDA only, uint8 [n] contiguous on the plan's device, large enough for this layout and
+// 256-byte aligned (the kernels' TMA maps and vector stores need it).
+void check_plan_workspace(const Topology& topo, const PackedLayout& L, const TensorView& ws, Device dev,
+                          const std::string& name, const char* holder) {
+  require(dev.is_cuda(), concat(name, " is used by CUDA plans only, but ", holder, " is on ", to_string(dev), " (leave ",
+                                name, " empty)"));
+  require(ws.rank == 1, concat(name, " must be 1-D, uint8 [n], got shape ", ws.shape_string()));
+  check_tensor(ws, name.c_str(), {DType::u8}, {Dim(ws.shape[0], "n")}, dev);
   if constexpr (detail::kWithCuda) {  // without the backend, build_plan refuses CUDA inputs anyway
     const int64_t needed = cuda::plan_workspace_bytes(topo, L);
-    require(ws.shape[0] >= needed, concat("options.workspace must hold at least plan_workspace_bytes = ", needed,
-                                          " bytes for this layout, got ", ws.shape[0]));
+    require(ws.shape[0] >= needed,
+            concat(name, " must hold at least plan_workspace_bytes = ", needed, " bytes for this layout, got ", ws.shape[0]));
   } else {
     (void)topo, (void)L;
   }
   require(reinterpret_cast<uintptr_t>(ws.data) % 256 == 0,
-          concat("options.workspace must start at a 256-byte aligned address, got ", ws.data));
+          concat(name, " must start at a 256-byte aligned address, got ", ws.data));
+}
+
+// The scratch of one forward / backward / KL call: the params' workspace when given (checked),
+// which a plan built with workspace_per_call requires.
+void check_call_workspace(const Topology& topo, const PackedLayout& L, const SparsePlan& plan, const TensorView& ws,
+                          Device dev, const char* op) {
+  if (ws.present()) return check_plan_workspace(topo, L, ws, dev, concat(op, " workspace"), "q");
+  if (plan.workspace_per_call && dev.is_cuda()) {
+    int64_t needed = 0;
+    if constexpr (detail::kWithCuda) needed = cuda::plan_workspace_bytes(topo, L);
+    fail(concat(op, ": the plan was built with workspace_per_call and holds no scratch; pass workspace (uint8 [n >= "
+                    "plan_workspace_bytes = ",
+                needed, "], 256-byte aligned, on ", to_string(dev), ")"));
+  }
 }
 
 }  // namespace
@@ -181,7 +197,11 @@ SparsePlan build_plan(const Topology& topo, const PackedLayout& L, const TensorV
   detail::check_present(topk, "topk");
   require(options.q_per_cta >= 1, concat("plan q_per_cta must be >= 1, got ", options.q_per_cta));
   check_topk(topo, L, topk, "topk", topk.device);
-  if (options.workspace.present()) check_plan_workspace(topo, L, options.workspace, topk.device);
+  require(!(options.workspace_per_call && options.workspace.present()),
+          "build_plan: options.workspace_per_call means the plan holds no scratch, but options.workspace gives it "
+          "one; pass the workspace to each call instead");
+  if (options.workspace.present())
+    check_plan_workspace(topo, L, options.workspace, topk.device, "options.workspace", "topk");
   // CUDA buffers are used on opt.stream.
   SparsePlan plan = detail::allocate_plan(topo, L.total_q(), L.total_rows(topo.block_size), options.q_per_cta,
                                           topk.device, on_cuda(topk) ? opt.stream : nullptr, true);
@@ -190,7 +210,8 @@ SparsePlan build_plan(const Topology& topo, const PackedLayout& L, const TensorV
   copy(topk, plan.selection.view(), on_cuda(topk) ? opt.stream : nullptr);
   dispatch(
       "build_plan", plan.device, [&] { cpu::build_plan(topo, L, topk, plan); },
-      [&] { cuda::build_plan(topo, L, topk, options.workspace, plan, opt); });
+      [&] { cuda::build_plan(topo, L, topk, options.workspace, options.workspace_per_call, plan, opt); });
+  plan.workspace_per_call = options.workspace_per_call && on_cuda(topk);
   return plan;
 }
 
@@ -209,6 +230,7 @@ void sparse_attention_forward(const Topology& topo, const PackedLayout& L, const
   check_tensor(p.out, "out", kFloatOut, {Dim(L.total_q(), "total_q"), Dim(Hq, "Hq"), Dim(D)}, dev);
   check_tensor(p.lse, "lse", {DType::f32}, {Dim(L.total_q(), "total_q"), Dim(Hq, "Hq")}, dev);
   check_plan(plan, L, topo, dev);
+  check_call_workspace(topo, L, plan, p.workspace, dev, "sparse_attention_forward");
   if (on_cuda(p.q)) {
     detail::check_rows_aligned(p.q, "q", 16);
     detail::check_rows_aligned(p.k, "k", 16);
@@ -244,6 +266,7 @@ void sparse_attention_backward(const Topology& topo, const PackedLayout& L, cons
   check_tensor(p.dk, "dk", kFloatOut, {Tk, Dim(Hkv, "Hkv"), Dim(D)}, dev);
   check_tensor(p.dv, "dv", kFloatOut, {Tk, Dim(Hkv, "Hkv"), Dim(D)}, dev);
   check_plan(plan, L, topo, dev);
+  check_call_workspace(topo, L, plan, p.workspace, dev, "sparse_attention_backward");
   AttentionBackwardParams bound = p;
   bound.topk = bound_selection(plan, p.topk, "sparse_attention_backward", opt);
   dispatch(
@@ -272,6 +295,7 @@ void kl_backward(const Topology& topo, const PackedLayout& L, const SparsePlan& 
   require(std::isfinite(p.grad_scale) && p.grad_scale >= 0,
           concat("grad_scale must be finite and >= 0 (0 = 1 / (Hi * total_q)), got ", p.grad_scale));
   check_plan(plan, L, topo, dev);
+  check_call_workspace(topo, L, plan, p.workspace, dev, "kl_backward");
   KlBackwardParams bound = p;
   bound.topk = bound_selection(plan, p.topk, "kl_backward", opt);
   dispatch(

@@ -828,8 +828,9 @@ void sparse_attention_forward(const Topology& topo, const PackedLayout& L, const
   f.status = i32(plan.status);
   f.docs = doc_ptr(st);
   f.q_per_cta = plan.q_per_cta;
-  f.part_o = ws<__nv_bfloat16>(st, w.part_o);
-  f.part_ml = ws<float2>(st, w.part_ml);
+  void* const scratch = call_workspace(st, p.workspace);
+  f.part_o = ws<__nv_bfloat16>(scratch, w.part_o);
+  f.part_ml = ws<float2>(scratch, w.part_ml);
   f.total_q = L.total_q();
   f.Hq = topo.num_q_heads;
   f.Hkv = topo.num_kv_heads;

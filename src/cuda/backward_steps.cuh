@@ -223,16 +223,17 @@ struct ChunkPass {
   const WorkspaceLayout w;
   const bool deterministic;
   const ChunkList chunks;
+  void* const scratch;  // the call's workspace, else the plan's
 
   ChunkPass(const TensorView& q, const Topology& topo, const PackedLayout& L, const SparsePlan& plan_,
-            const RunOptions& opt)
+            const RunOptions& opt, const TensorView& workspace)
       : guard(q.device.index), plan(plan_), layout(L), st(plan_state(plan_)), stream(as_stream(opt)),
         total_q(L.total_q()), total_k(L.total_k()), w(workspace_layout(topo, L)), deterministic(opt.deterministic),
-        chunks(chunk_list(plan_, st, total_q)) {}
+        chunks(chunk_list(plan_, st, total_q)), scratch(call_workspace(st, workspace)) {}
 
   template <typename T>
   T* ws(int64_t offset) const {
-    return cuda::ws<T>(st, offset);
+    return cuda::ws<T>(scratch, offset);
   }
   // The fp32 accumulators that the default mode's atomics add into start at zero.
   void zero_accumulator(float* acc, int64_t elems) const {

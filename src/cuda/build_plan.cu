@@ -696,7 +696,7 @@ void build_schedule(const Topology& topo, const TensorView& topk, SparsePlan& pl
 }
 
 void build_plan(const Topology& topo, const PackedLayout& L, const TensorView& topk, const TensorView& workspace,
-                SparsePlan& plan, const RunOptions& opt) {
+                bool workspace_per_call, SparsePlan& plan, const RunOptions& opt) {
   const Device dev = topk.device;
   DeviceGuard guard(dev.index);
   const cudaStream_t s = as_stream(opt);
@@ -706,7 +706,7 @@ void build_plan(const Topology& topo, const PackedLayout& L, const TensorView& t
   auto state = std::make_shared<PlanState>();
   upload_layout(topo, L, plan, *state, true, s);
   build_schedule(topo, topk, plan, *state, true, s);
-  attach_workspace(topo, L, workspace, *state, dev, opt.stream);
+  if (!workspace_per_call) attach_workspace(topo, L, workspace, *state, dev, opt.stream);
   plan.backend = state;
 }
 

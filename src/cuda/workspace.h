@@ -44,10 +44,15 @@ int64_t chunk_capacity(const Topology& topo, const PackedLayout& L);
 void attach_workspace(const Topology& topo, const PackedLayout& L, const TensorView& given, PlanState& state,
                       Device dev, void* stream);
 
-// Typed pointer into the plan's workspace.
+// A call's scratch: the params' workspace when given (checked in src/core), else the plan's.
+inline void* call_workspace(const PlanState& s, const TensorView& given) {
+  return given.present() ? given.data : s.workspace;
+}
+
+// Typed pointer into a workspace.
 template <typename T>
-T* ws(const PlanState& s, int64_t offset) {
-  return reinterpret_cast<T*>(static_cast<char*>(s.workspace) + offset);
+T* ws(void* base, int64_t offset) {
+  return reinterpret_cast<T*>(static_cast<char*>(base) + offset);
 }
 
 }  // namespace msa::cuda

@@ -57,6 +57,21 @@ def test_plan_workspace_is_for_cuda_plans(rng):
         msa.plan_workspace_bytes(layout, device="gpu0")
 
 
+def test_workspace_per_call_is_for_cuda_plans(rng):
+    layout = msa.make_layout([0, 300])
+    q = bf16_input(rng, 300, 16, 128)[0]
+    k = bf16_input(rng, 300, 1, 128)[0]
+    topk = msa.select_blocks(k, k, layout)
+    with pytest.raises(msa.InvalidArgumentError, match="workspace_per_call means the plan holds no scratch"):
+        msa.build_plan(topk, layout, workspace=np.zeros(1 << 20, np.uint8), workspace_per_call=True)
+    plan = msa.build_plan(topk, layout, workspace_per_call=True)  # a CPU plan needs none: an ordinary plan
+    want, _ = msa.forward(q, k, k, topk, layout)
+    got, _ = msa.forward(q, k, k, topk, layout, plan)
+    assert np.array_equal(got, want)
+    with pytest.raises(msa.InvalidArgumentError, match="sparse_attention_forward workspace is used by CUDA plans only"):
+        msa.forward(q, k, k, topk, layout, plan, workspace=np.zeros(1 << 20, np.uint8))
+
+
 def test_unsupported_topology():
     with pytest.raises(msa.InvalidArgumentError, match="num_q_heads must be 16"):
         msa.Topology(num_q_heads=8, num_kv_heads=1, num_index_heads=1).validate()

@@ -196,6 +196,35 @@ def test_cuda_graph_capture_of_the_layer_with_indexer_training():
         assert rel_err(got, ref) < 1e-5, f"{name}: replay differs from eager: {rel_err(got, ref)}"
 
 
+def test_a_layer_step_builds_one_plan_on_cuda():
+    """Forward, KL and backward of one step share one plan (its scratch comes per call); the
+    results equal those of a step whose ops each build their own plan, bit for bit."""
+    from msa.torch import _ops
+
+    x = to_cuda(inputs(seed=4))
+    cu = x["cu"]
+    leaves = {n: x[n].clone().requires_grad_(True) for n in ("q", "k", "v", "iq", "ik")}
+
+    def step(share):
+        q, k, v, iq, ik = (leaves[n] for n in ("q", "k", "v", "iq", "ik"))
+        topk, index_lse = mt.select_blocks(iq, ik, cu, return_lse=True, deterministic=True)
+        own = (lambda t: t) if share else (lambda t: t.clone())  # a clone is another tensor: another plan
+        out, lse = mt.sparse_attention(q, k, v, own(topk), cu, return_lse=True, deterministic=True)
+        loss = mt.indexer_kl_loss(q, k, lse, iq, ik, index_lse, own(topk), cu, deterministic=True)
+        grads = torch.autograd.grad(out.float().square().sum() + loss, [q, k, v, iq, ik])
+        return (out,) + grads
+
+    before = _ops._plans.builds
+    shared = step(share=True)
+    torch.cuda.synchronize()
+    assert _ops._plans.builds - before == 1
+    separate = step(share=False)
+    assert _ops._plans.builds - before == 3
+    for name, got, want in zip(("out", "dq", "dk", "dv", "diq", "dik"), shared, separate):
+        assert not got.isnan().any(), name
+        assert torch.equal(got, want), name
+
+
 def test_layout_pack_and_unpack_on_cuda_match_cpu():
     g = torch.Generator().manual_seed(0)
     doc = torch.zeros(3, 700, dtype=torch.int32)

@@ -1,6 +1,9 @@
 """PyTorch custom ops on the CPU: values and gradients vs the float64 oracle, opcheck,
 torch.compile, determinism and errors."""
 
+import gc
+import weakref
+
 import numpy as np
 import pytest
 
@@ -61,6 +64,48 @@ def test_indexer_kl_loss_gradient_matches_oracle():
     assert ref.cosine(f64(x["iq"].grad), 3 * want_q) > 0.99
     assert ref.cosine(f64(x["ik"].grad), 3 * want_k) > 0.99
     assert ref.rel_err(f64(x["iq"].grad), 3 * want_q) < 3e-2
+
+
+def test_a_layer_step_builds_one_plan():
+    """Forward, backward and the indexer's KL of one step share the plan of their top-k tensor;
+    a changed or another top-k tensor gets its own, and the plan goes with its tensor."""
+    from msa.torch import _ops
+
+    x = inputs(requires_grad=True)
+    topk, index_lse = mt.select_blocks(x["iq"], x["ik"], x["cu"], return_lse=True)
+    before = _ops._plans.builds
+    out, lse = mt.sparse_attention(x["q"], x["k"], x["v"], topk, x["cu"], return_lse=True)
+    loss = mt.indexer_kl_loss(x["q"], x["k"], lse, x["iq"], x["ik"], index_lse, topk, x["cu"])
+    (out.float().square().sum() + loss).backward()
+    assert _ops._plans.builds - before == 1
+    grads = [x[n].grad.clone() for n in ("q", "k", "v", "iq", "ik")]
+
+    # The same step on a copy of the selection (a new tensor: a new plan) gives the same results.
+    for n in ("q", "k", "v", "iq", "ik"):
+        x[n].grad = None
+    copy = topk.clone()
+    out2, lse2 = mt.sparse_attention(x["q"], x["k"], x["v"], copy, x["cu"], return_lse=True)
+    loss2 = mt.indexer_kl_loss(x["q"], x["k"], lse2, x["iq"], x["ik"], index_lse, copy, x["cu"])
+    (out2.float().square().sum() + loss2).backward()
+    assert _ops._plans.builds - before == 2
+    assert torch.equal(out2, out)
+    for n, g in zip(("q", "k", "v", "iq", "ik"), grads):
+        assert torch.equal(x[n].grad, g), n
+
+    # Changed in place (the version counter moves): the next call builds from the new contents.
+    with torch.no_grad():
+        out_a = mt.sparse_attention(x["q"], x["k"], x["v"], copy, x["cu"])
+        local = copy[:, -1, :].max(dim=-1).values  # the last query keeps its local block only
+        copy[:, -1, :] = -1
+        copy[:, -1, 0] = local
+        out_b = mt.sparse_attention(x["q"], x["k"], x["v"], copy, x["cu"])
+    assert _ops._plans.builds - before == 3  # out_a reused the plan, out_b did not
+    assert not torch.equal(out_a[-1], out_b[-1])
+    gone = weakref.ref(copy)
+    del copy, out2, lse2, loss2
+    gc.collect()
+    assert gone() is None
+    assert all(entry[0]() is not None for entry in _ops._plans._plans.values()), "a plan outlived its top-k"
 
 
 def test_opcheck():
