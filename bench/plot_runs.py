@@ -4,8 +4,9 @@
     pip install matplotlib   # once
     python bench/plot_runs.py bench/data/run15_figures.json docs/performance-run15.png
 
-The JSON holds the figures the run log's tables give (decode step per shape, training steps
-at 16k), old build against new; the chart shows new / old per item (below 1: faster).
+The JSON holds the figures the run log's tables give, old build against new, one panel per
+entry of "panels" ({"key", "labels", "title"}; without it, run 15's two panels: decode step per
+shape and training steps at 16k); the chart shows new / old per item (below 1: faster).
 """
 import json
 import sys
@@ -18,9 +19,12 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 def main(src, dst):
     data = json.load(open(src))
-    panels = [("decode_q8_step_us", "shapes", "decode step, Q = 8 (bf16 unless noted)"),
-              ("training_16k_ms", "steps", "training, 16k tokens, independent selection")]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [10, 4]})
+    panels = [(p["key"], p["labels"], p["title"]) for p in data.get("panels", [])] or [
+        ("decode_q8_step_us", "shapes", "decode step, Q = 8 (bf16 unless noted)"),
+        ("training_16k_ms", "steps", "training, 16k tokens, independent selection")]
+    widths = [max(3, len(data[key][labels])) for key, labels, _ in panels]
+    fig, axes = plt.subplots(1, len(panels), figsize=(12, 4.2), gridspec_kw={"width_ratios": widths}, squeeze=False)
+    axes = axes[0]
     for ax, (key, labels, title) in zip(axes, panels):
         d = data[key]
         ratio = [n / o for n, o in zip(d["new"], d["old"])]
