@@ -10,7 +10,7 @@ many plans the step built (msa.torch's plan cache, where the package has one), t
 forward keeps for the backward (what each layer of a model holds until its backward) and the
 step's peak, both above the inputs.
 
-Usage: python bench/torch_step.py [--seqlens 4096 16384] [--selection independent] [--json out.json]
+Usage: python bench/torch_step.py [--seqlens 4096 16384] [--selection independent] [--profile] [--json out.json]
 Requires an NVIDIA GPU, PyTorch with CUDA and msa built with its CUDA backend.
 """
 
@@ -31,7 +31,7 @@ def plans_built():
     return getattr(cache, "builds", None)
 
 
-def run(t, coherent, repeats, gen):
+def run(t, coherent, repeats, gen, profile=False):
     cu = torch.tensor([0, t], dtype=torch.int32)  # layout metadata: on the host
     leaf = lambda x: x.detach().requires_grad_()  # noqa: E731
     g = lambda *s: (torch.randn(*s, generator=gen, device="cuda") * 0.2).bfloat16()  # noqa: E731
@@ -64,6 +64,8 @@ def run(t, coherent, repeats, gen):
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - base
     msa_ms = try_run("msa step", lambda: time_ms(msa_step, 1, repeats))
+    if profile:
+        print_profile(msa_step, t)
 
     dq, dk, dv = (x.detach().transpose(0, 1)[None].contiguous().requires_grad_() for x in (q, k, v))
     ddo = dout.transpose(0, 1)[None].contiguous()
@@ -79,6 +81,24 @@ def run(t, coherent, repeats, gen):
                 dense_over_msa=(dense_ms / msa_ms) if msa_ms and dense_ms else None)
 
 
+def print_profile(step, t):
+    """The step's kernels (torch.profiler: GPU time per kernel name, summed over 5 steps) and
+    how much of the step's wall time the GPU was busy: where a short step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for i in range(5):
+            step(i)
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type.name == "CUDA"]
+    busy = sum(e.device_time_total for e in events if e.device_time_total > 0) / 5 / 1e3
+    first = min((e.time_range.start for e in events), default=0)
+    last = max((e.time_range.end for e in events), default=0)
+    print(f"\nT={t}: GPU busy {busy:.3f} ms a step; first to last GPU event over 5 steps {(last - first) / 5e3:.3f} ms a step")
+    print(prof.key_averages().table(sort_by="device_time_total", row_limit=25, max_name_column_width=70))
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seqlens", type=int, nargs="+", default=[4096, 16384])
@@ -86,6 +106,7 @@ def main():
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="where to write the records")
+    p.add_argument("--profile", action="store_true", help="also print the step's kernels (torch.profiler)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("torch_step.py needs a CUDA GPU")
@@ -95,7 +116,7 @@ def main():
           "cuDNN dense fwd+bwd (ms) | dense / msa |")
     print("|---|---|---|---|---|---|---|---|")
     for t in args.seqlens:
-        r = run(t, args.selection == "coherent", args.repeats, gen)
+        r = run(t, args.selection == "coherent", args.repeats, gen, args.profile)
         records.append(r)
         f = lambda x, fmt: "—" if x is None else format(x, fmt)  # noqa: E731
         print(f"| {t} | {r['selection']} | {f(r['msa_step_ms'], '.3f')} | {f(r['plans_built_per_step'], 'd')} | "
