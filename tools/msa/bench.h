@@ -27,6 +27,7 @@ struct BenchOptions {
   std::string queries;            // queries per request, "1,2,4,8,16"
   std::string formats;            // K/V cache formats, "bf16,fp8,nvfp4"
   int splits = 0;                 // decode split-K count; 0: the plan's automatic choice
+  std::string l2 = "flush";       // decode, GPU: flush the L2 cache before every timed call, or keep it
   // Prefill (bench_prefill.cpp): a manifest of step shapes, one JSON object a line, or
   // "long:N:C" (one prompt of N tokens prefilled in chunks of C). `formats` as for decode.
   std::string prefill;

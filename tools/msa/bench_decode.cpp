@@ -267,14 +267,23 @@ nlohmann::json part_json(const Part& p, double copy_rate) {
   return j;
 }
 
+// L2 handling of the timed calls, as the report states it.
+std::string l2_label(bool gpu, int64_t flush_bytes) {
+  if (!gpu) return "not applicable (CPU)";
+  if (flush_bytes == 0) return "kept (--l2 keep): repeated calls may read their data from L2";
+  return "flushed: " + std::to_string(flush_bytes >> 20) +
+         " MiB written before every timed call, untimed (data from memory; host launches hidden behind the write)";
+}
+
 std::string json_text(const std::vector<DecodeRow>& rows, Device dev, const Topology& topo, int repeats, int splits,
-                      double copy_rate) {
+                      double copy_rate, int64_t flush_bytes) {
   nlohmann::json j = {{"msa_version", kVersion},
                       {"bench", "decode"},
                       {"device", to_string(dev)},
                       {"heads", {{"q", topo.num_q_heads}, {"kv", topo.num_kv_heads}, {"index", topo.num_index_heads}}},
                       {"repeats", repeats},
                       {"timing", timing_label(dev.is_cuda())},
+                      {"l2", l2_label(dev.is_cuda(), flush_bytes)},
                       {"bytes_convention", kBytesConvention},
                       {"splits_requested", splits},
                       {"results", nlohmann::json::array()}};
@@ -318,6 +327,10 @@ int run_bench_decode(const BenchOptions& o) {
 
   const double copy_rate = device_copy_rate(dev, timer, kCopyBytes, kCopyRepeats);
   if (gpu) progress("copy bandwidth " + fixed(copy_rate * 1e-9, 0) + " GB/s");
+  // Small steps fit in L2 (8 x 4k reads ~40 MB): unflushed, their repeats would be timed from
+  // it. Twice the L2's size written before each call evicts the last call's data.
+  const int64_t flush_bytes = gpu && o.l2 == "flush" ? std::max<int64_t>(2 * device_l2_bytes(dev), int64_t(64) << 20) : 0;
+  timer.flush_l2_before_each(flush_bytes);
 
   // Page pool (shared by every shape): ~1 GB per bf16 K / V cache on a GPU.
   const int64_t pages = gpu ? std::max<int64_t>(64, (int64_t(1) << 30) / (int64_t(Hkv) * kPage * kDim * 2)) : 256;
@@ -334,7 +347,8 @@ int run_bench_decode(const BenchOptions& o) {
              std::to_string(pt.queries) + ", " + format_label(pt.format) + ", " + to_string(pt.selection));
     rows.push_back(bench_shape(pt, topo, dev, pool, o.splits, repeats, o.threads, timer));
     progress(row_line(rows.back(), copy_rate));
-    if (!o.json_path.empty()) write_file_whole(o.json_path, json_text(rows, dev, topo, repeats, o.splits, copy_rate));
+    if (!o.json_path.empty())
+      write_file_whole(o.json_path, json_text(rows, dev, topo, repeats, o.splits, copy_rate, flush_bytes));
   }
 
   std::cout << "decode step on " << to_string(dev);
@@ -368,6 +382,7 @@ int run_bench_decode(const BenchOptions& o) {
                "  step       indexer + attention\n"
             << "% copy: " << (gpu ? "share of the copy bandwidth above" : "GPU only") << ". splits: "
             << (o.splits == 0 ? "the plan's automatic split-K count" : "--splits " + std::to_string(o.splits)) << ".\n";
+  if (gpu) std::cout << "L2: " << l2_label(gpu, flush_bytes) << ".\n";
   if (!o.json_path.empty()) std::cout << "wrote " << o.json_path << "\n";
   return 0;
 }

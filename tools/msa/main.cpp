@@ -112,6 +112,12 @@ int main(int argc, char** argv) {
       bench_cmd->add_option("--queries", bench.queries, "--decode: queries per request, each in 1..16, e.g. 1,2,4,8,16 (default 8)"),
       bench_cmd->add_option("--splits", bench.splits, "--decode: attention split-K count 1, 2, 4, 8 or 16; 0 = the plan's automatic choice")
           ->check(CLI::IsMember({0, 1, 2, 4, 8, 16}))
+          ->capture_default_str(),
+      bench_cmd->add_option("--l2", bench.l2,
+                            "--decode, GPU: flush (write twice the L2 cache's size before every timed call, untimed: "
+                            "each call reads its data from memory, and the host's launches are hidden behind the "
+                            "write) or keep (repeated calls may find their data in L2)")
+          ->check(CLI::IsMember({"flush", "keep"}))
           ->capture_default_str()};
   CLI::Option* formats_opt = bench_cmd->add_option(
       "--formats", bench.formats,

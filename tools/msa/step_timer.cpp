@@ -53,6 +53,27 @@ StepTimer::~StepTimer() {
   if (start_ && cudaEventDestroy(static_cast<cudaEvent_t>(start_)) != cudaSuccess) cudaGetLastError();
   if (stop_ && cudaEventDestroy(static_cast<cudaEvent_t>(stop_)) != cudaSuccess) cudaGetLastError();
   if (stream_ && cudaStreamDestroy(static_cast<cudaStream_t>(stream_)) != cudaSuccess) cudaGetLastError();
+  if (flush_ && cudaFree(flush_) != cudaSuccess) cudaGetLastError();
+#endif
+}
+
+void StepTimer::flush_l2_before_each(int64_t bytes) {
+  if (!device_.is_cuda()) return;
+#if MSA_WITH_CUDA
+  sync();
+  if (flush_) MSA_TOOL_CUDA(cudaFree(flush_));
+  flush_ = nullptr;
+  flush_bytes_ = 0;
+  if (bytes <= 0) return;
+  MSA_TOOL_CUDA(cudaMalloc(&flush_, size_t(bytes)));
+  flush_bytes_ = bytes;
+#endif
+}
+
+void StepTimer::flush() const {
+#if MSA_WITH_CUDA
+  if (flush_bytes_ > 0)
+    MSA_TOOL_CUDA(cudaMemsetAsync(flush_, 0, size_t(flush_bytes_), static_cast<cudaStream_t>(stream_)));
 #endif
 }
 
@@ -82,6 +103,7 @@ double StepTimer::median_seconds(int warmup, int repeats, const std::function<vo
 #if MSA_WITH_CUDA
     const auto s = static_cast<cudaStream_t>(stream_);
     const auto a = static_cast<cudaEvent_t>(start_), b = static_cast<cudaEvent_t>(stop_);
+    flush();  // before the start event: the flush is not timed
     MSA_TOOL_CUDA(cudaEventRecord(a, s));
     work();
     MSA_TOOL_CUDA(cudaEventRecord(b, s));
@@ -174,6 +196,17 @@ std::string device_description(Device device) {
   char text[320];
   std::snprintf(text, sizeof text, "%s, %d SMs, %.0f MB L2", prop.name, prop.multiProcessorCount, prop.l2CacheSize / 1e6);
   return text;
+#else
+  no_cuda();
+#endif
+}
+
+int64_t device_l2_bytes(Device device) {
+  if (!device.is_cuda()) return 0;
+#if MSA_WITH_CUDA
+  int bytes = 0;
+  MSA_TOOL_CUDA(cudaDeviceGetAttribute(&bytes, cudaDevAttrL2CacheSize, device.index));
+  return bytes;
 #else
   no_cuda();
 #endif

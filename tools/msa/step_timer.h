@@ -37,12 +37,19 @@ class StepTimer {
   double graph_median_seconds(int warmup, int repeats, const std::function<void()>& work);
   // Host clock from the call to the end of the device work it queued on stream().
   double host_seconds(const std::function<void()>& work) const;
+  // CUDA: from now on every call of median_seconds (graph launches included) is preceded,
+  // outside its events, by a write of `bytes` to a buffer of the timer's, which drives the
+  // last call's data out of the L2 cache (0: no more flushing). Nothing on the CPU.
+  void flush_l2_before_each(int64_t bytes);
 
  private:
   Device device_;
   void* stream_ = nullptr;
   void* start_ = nullptr;  // cudaEvent_t
   void* stop_ = nullptr;
+  void* flush_ = nullptr;  // device buffer of flush_bytes_ (flush_l2_before_each)
+  int64_t flush_bytes_ = 0;
+  void flush() const;
 };
 
 // CUDA: bytes of device memory in use (total - free from cudaMemGetInfo: the CUDA context and
@@ -50,6 +57,8 @@ class StepTimer {
 int64_t device_memory_in_use(Device device);
 // CUDA: "NVIDIA H200, 132 SMs, 63 MB L2". Empty on the CPU.
 std::string device_description(Device device);
+// CUDA: the device's L2 cache in bytes. 0 on the CPU.
+int64_t device_l2_bytes(Device device);
 
 // CUDA: the device's copy bandwidth in bytes per second: a device-to-device cudaMemcpyAsync
 // of `bytes` on timer.stream(), median of `repeats` copies after one warm-up, counting every
