@@ -141,8 +141,9 @@ __device__ __forceinline__ void preload_page_table(const AttnArgs& a, TableRow& 
 // own pages by logical page, one a round, and a page shared by several rows comes in the first
 // round where it is next for all of them (within a round, by row): the rows interleave evenly,
 // but the rounds run one after another on one warp (run 27: worth it on long NVFP4 requests
-// whose rows select apart only). by_page and in_rounds keep each row's own pages in page order whatever the other rows
-// selected (docs/semantics.md §4.4: the rows' rounding too; run 25's slot order broke that).
+// whose rows select apart only). by_page and in_rounds keep each row's own pages in page order
+// whatever the other rows selected (docs/semantics.md §4.4: the rows' rounding too; run 25's
+// slot order broke that).
 enum class PageOrder { by_row, by_page, in_rounds };
 
 // The rounds of PageOrder::in_rounds, by warp 0 (lane = tile row): each round every row with
