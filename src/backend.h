@@ -54,6 +54,7 @@ void select_blocks(const Topology&, const PackedLayout&, const SelectBlocksParam
 void build_plan(const Topology&, const PackedLayout&, const TensorView& topk, const TensorView& workspace,
                 bool workspace_per_call, SparsePlan& plan, const RunOptions&);
 int64_t plan_workspace_bytes(const Topology&, const PackedLayout&);
+int64_t call_workspace_bytes(const Topology&, const PackedLayout&, WorkspaceCall, bool deterministic);
 void sparse_attention_forward(const Topology&, const PackedLayout&, const SparsePlan&,
                               const AttentionForwardParams&, const RunOptions&);
 void sparse_attention_backward(const Topology&, const PackedLayout&, const SparsePlan&,

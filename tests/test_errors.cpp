@@ -355,6 +355,25 @@ TEST_F(Errors, PlanWorkspace) {
   shifted.shape[0] = needed;
   given.workspace = shifted;
   expect_rejected([&] { build_plan(topo, L, cuda_topk, given); }, {"options.workspace must start at a 256-byte aligned address"});
+
+  // A call's own workspace: the forward's partials; the default backward's fp32 accumulators
+  // (dQ, dK, dV) beside delta and a bf16 dO; the default KL's (d index_q, d index_k). The plan's
+  // is the largest of the calls in either mode.
+  const int64_t Tq = L.total_q(), Tk = L.total_k(), Hq = topo.num_q_heads, Hkv = topo.num_kv_heads;
+  auto rounded = [](int64_t b) { return (b + 255) / 256 * 256; };
+  auto bytes_of = [&](WorkspaceCall call, bool det) { return call_workspace_bytes(topo, L, Device::cuda(0), call, det); };
+  EXPECT_EQ(bytes_of(WorkspaceCall::forward, false), rounded(16 * Tq * Hq * 128 * 2) + rounded(16 * Tq * Hq * 8));
+  EXPECT_EQ(bytes_of(WorkspaceCall::forward, true), bytes_of(WorkspaceCall::forward, false));
+  EXPECT_EQ(bytes_of(WorkspaceCall::backward, false), rounded(Tq * Hq * 4) + rounded(Tq * Hq * 128 * 2) +
+                                                          rounded(Tq * Hq * 128 * 4) + 2 * rounded(Tk * Hkv * 128 * 4));
+  EXPECT_EQ(bytes_of(WorkspaceCall::kl_backward, false), rounded(Tq * Hkv * 128 * 4) + rounded(Tk * 128 * 4));
+  int64_t most = 0;
+  for (WorkspaceCall call : {WorkspaceCall::forward, WorkspaceCall::backward, WorkspaceCall::kl_backward})
+    for (bool det : {false, true}) most = std::max(most, bytes_of(call, det));
+  EXPECT_EQ(most, needed);
+  EXPECT_EQ(call_workspace_bytes(topo, L, Device::cpu(), WorkspaceCall::backward, true), 0);
+  expect_rejected([&] { call_workspace_bytes(topo, L, Device::cuda(0), WorkspaceCall(7), false); },
+                  {"call_workspace_bytes: call must be forward, backward or kl_backward, got 7"});
 #else
   expect_rejected([&] { plan_workspace_bytes(topo, L, Device::cuda(0)); }, {"built without the CUDA backend"},
                   ErrorKind::unsupported);

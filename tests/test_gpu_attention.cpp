@@ -179,9 +179,7 @@ TEST(GpuPlanWorkspace, SharedByTwoPlansGivesTheSameResults) {
   const GpuGrads want = gpu_backward(c, own, q, k, v, topk, out, lse, ddout, true, DType::f32);
 
   const int64_t bytes = plan_workspace_bytes(topo, L, kGpu);
-  HostTensor nan_bytes(DType::u8, {bytes});
-  std::fill(nan_bytes.data<uint8_t>(), nan_bytes.data<uint8_t>() + bytes, uint8_t(0xff));  // NaN in bf16 and f32
-  const DeviceTensor workspace(nan_bytes);
+  const DeviceTensor workspace(nan_bytes(bytes));
   PlanOptions shared;
   shared.workspace = workspace.view();
   const SparsePlan a = build_plan(topo, L, topk.view(), shared), b = build_plan(topo, L, other_topk.view(), shared);
@@ -218,10 +216,19 @@ TEST(GpuPlanWorkspace, PerCallWorkspaceGivesTheSameResults) {
   EXPECT_TRUE(plan.workspace_per_call);
   expect_error([&] { gpu_forward(c, plan, q, k, v, topk); },
                {"sparse_attention_forward: the plan was built with workspace_per_call", "pass workspace"});
-  const int64_t bytes = plan_workspace_bytes(topo, L, kGpu);
-  HostTensor nan_bytes(DType::u8, {bytes});
-  std::fill(nan_bytes.data<uint8_t>(), nan_bytes.data<uint8_t>() + bytes, uint8_t(0xff));  // NaN in bf16 and f32
-  const DeviceTensor first(nan_bytes), second(nan_bytes);
+  // Each call on exactly its own bytes (call_workspace_bytes), NaN-filled: the forward's and
+  // the deterministic backward's are bit for bit the plan's own; the default backward (fp32
+  // atomics, not bitwise reproducible) agrees with the deterministic one to rounding.
+  const int64_t forward_bytes = call_workspace_bytes(topo, L, kGpu, WorkspaceCall::forward);
+  const int64_t det_bytes = call_workspace_bytes(topo, L, kGpu, WorkspaceCall::backward, true);
+  const int64_t atomic_bytes = call_workspace_bytes(topo, L, kGpu, WorkspaceCall::backward, false);
+  EXPECT_LT(atomic_bytes, forward_bytes);
+  EXPECT_EQ(std::max(forward_bytes, det_bytes), plan_workspace_bytes(topo, L, kGpu));
+  const DeviceTensor first(nan_bytes(forward_bytes)), second(nan_bytes(det_bytes)), third(nan_bytes(atomic_bytes));
+  expect_error([&] { gpu_backward(c, plan, q, k, v, topk, out, lse, ddout, true, DType::f32, third.view()); },
+               {"sparse_attention_backward workspace must hold at least call_workspace_bytes(backward, deterministic) = " +
+                    std::to_string(det_bytes),
+                "got " + std::to_string(atomic_bytes)});
   const ForwardOutputs got_fwd = gpu_forward(c, plan, q, k, v, topk, DType::bf16, first.view());
   const GpuGrads got = gpu_backward(c, plan, q, k, v, topk, out, lse, ddout, true, DType::f32, second.view());
   EXPECT_TRUE(bitwise_equal(got_fwd.out, want_fwd.out));
@@ -229,6 +236,10 @@ TEST(GpuPlanWorkspace, PerCallWorkspaceGivesTheSameResults) {
   EXPECT_TRUE(bitwise_equal(got.dq, want.dq));
   EXPECT_TRUE(bitwise_equal(got.dk, want.dk));
   EXPECT_TRUE(bitwise_equal(got.dv, want.dv));
+  const GpuGrads atomic = gpu_backward(c, plan, q, k, v, topk, out, lse, ddout, false, DType::f32, third.view());
+  expect_gradient("dq", atomic.dq.floats(), doubles(want.dq.floats()));
+  expect_gradient("dk", atomic.dk.floats(), doubles(want.dk.floats()));
+  expect_gradient("dv", atomic.dv.floats(), doubles(want.dv.floats()));
 }
 
 }  // namespace

@@ -41,7 +41,8 @@ KlGrads cpu_kl(const KlInputs& in, DType dtype, float grad_scale) {
   return g;
 }
 
-KlGrads gpu_kl(const KlInputs& in, const SparsePlan& plan, DType dtype, float grad_scale, bool deterministic) {
+KlGrads gpu_kl(const KlInputs& in, const SparsePlan& plan, DType dtype, float grad_scale, bool deterministic,
+               const TensorView& workspace = {}) {
   const auto& c = in.c;
   DeviceTensor q(c.q), k(c.k), lse(in.lse), iq(in.iq), ik(in.ik), ilse(in.index_lse), topk(c.topk);
   DeviceTensor dq(dtype, {c.layout.total_q(), c.topo.num_index_heads, 128}), dk(dtype, {c.layout.total_k(), 1, 128});
@@ -58,6 +59,7 @@ KlGrads gpu_kl(const KlInputs& in, const SparsePlan& plan, DType dtype, float gr
   p.dindex_q = dq.view();
   p.dindex_k = dk.view();
   p.grad_scale = grad_scale;
+  p.workspace = workspace;
   RunOptions opt;
   opt.deterministic = deterministic;
   kl_backward(c.topo, c.layout, plan, p, opt);
@@ -112,6 +114,36 @@ TEST(GpuKl, DeterministicModeIsBitwiseReproducible) {
     const KlGrads again = gpu_kl(in, plan, DType::f32, 0.f, true);
     ASSERT_TRUE(bitwise_equal(again.dq, first.dq)) << "repeat " << i;
     ASSERT_TRUE(bitwise_equal(again.dk, first.dk)) << "repeat " << i;
+  }
+}
+
+// A plan without scratch runs the KL on exactly call_workspace_bytes(kl_backward) of NaN bytes
+// in either mode: deterministic, bit for bit the results of a plan with its own workspace; the
+// default (fp32 atomics), equal to them to rounding.
+TEST(GpuKl, PerCallWorkspaceOfExactlyItsBytes) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  const Topology topo;
+  const KlInputs in = make_kl(rng, topo, layout_of({2500, 600}));
+  DeviceTensor topk(in.c.topk);
+  const SparsePlan own = build_plan(topo, in.c.layout, topk.view());
+  PlanOptions per_call;
+  per_call.workspace_per_call = true;
+  const SparsePlan plan = build_plan(topo, in.c.layout, topk.view(), per_call);
+  for (bool det : {false, true}) {
+    SCOPED_TRACE(det ? "deterministic" : "atomic");
+    const int64_t bytes = call_workspace_bytes(topo, in.c.layout, kGpu, WorkspaceCall::kl_backward, det);
+    EXPECT_LT(bytes, plan_workspace_bytes(topo, in.c.layout, kGpu));
+    const DeviceTensor workspace(nan_bytes(bytes));
+    const KlGrads want = gpu_kl(in, own, DType::f32, 0.f, true);
+    const KlGrads got = gpu_kl(in, plan, DType::f32, 0.f, det, workspace.view());
+    if (det) {
+      EXPECT_TRUE(bitwise_equal(got.dq, want.dq));
+      EXPECT_TRUE(bitwise_equal(got.dk, want.dk));
+    } else {
+      expect_gradient("dindex_q", got.dq.floats(), doubles(want.dq.floats()));
+      expect_gradient("dindex_k", got.dk.floats(), doubles(want.dk.floats()));
+    }
   }
 }
 

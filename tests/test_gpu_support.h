@@ -89,6 +89,14 @@ inline Selection cpu_select(const Topology& topo, const PackedLayout& L, const H
   return s;
 }
 
+// `bytes` bytes of 0xff (NaN in bf16 and f32): a workspace whose stale contents a call must
+// not read.
+inline HostTensor nan_bytes(int64_t bytes) {
+  HostTensor t(DType::u8, {bytes});
+  std::fill(t.data<uint8_t>(), t.data<uint8_t>() + bytes, uint8_t(0xff));
+  return t;
+}
+
 // Forward on the GPU with a plan built there from `topk`.
 inline ForwardOutputs gpu_forward(const AttentionCase& c, const SparsePlan& gplan, const DeviceTensor& q,
                                   const DeviceTensor& k, const DeviceTensor& v, const DeviceTensor& topk,

@@ -65,8 +65,21 @@ struct PlanOptions {
 };
 
 // Bytes of scratch a CUDA plan for this layout uses (forward partials, backward and KL
-// accumulators); 0 for a CPU plan, which needs none.
+// accumulators): enough for every call on it in either mode; 0 for a CPU plan, which needs none.
 int64_t plan_workspace_bytes(const Topology& topo, const PackedLayout& layout, Device device);
+
+// The call a workspace passed in a call's params serves. Each call needs only its own regions:
+// the forward its partial outputs (~264 KB a query token with 64 heads), the default-mode
+// backward and KL their fp32 accumulators (~50 KB and ~2.5 KB), the deterministic modes their
+// per-edge and per-chunk partials; a plan's own workspace (plan_workspace_bytes) is the largest.
+enum class WorkspaceCall { forward, backward, kl_backward };
+const char* to_string(WorkspaceCall call);
+
+// Bytes of scratch one call of `call` on a CUDA plan for this layout uses (its params'
+// `workspace` must hold at least this many), with RunOptions::deterministic = `deterministic`;
+// 0 on the CPU. Never more than plan_workspace_bytes.
+int64_t call_workspace_bytes(const Topology& topo, const PackedLayout& layout, Device device, WorkspaceCall call,
+                             bool deterministic = false);
 
 struct SparsePlan {
   Device device{};
@@ -126,8 +139,8 @@ struct AttentionForwardParams {
                     //   (checked; empty = the plan's own, plan.selection)
   TensorView out;   // out: [total_q, Hq, 128] bf16 or f32
   TensorView lse;   // out: [total_q, Hq] f32, natural log
-  TensorView workspace;  // optional, CUDA: uint8 [n >= plan_workspace_bytes], 256-byte aligned: this
-                         //   call's scratch instead of the plan's (required by a workspace_per_call plan)
+  TensorView workspace;  // optional, CUDA: uint8 [n >= call_workspace_bytes(this call)], 256-byte aligned:
+                         //   this call's scratch instead of the plan's (required by a workspace_per_call plan)
 };
 void sparse_attention_forward(const Topology& topo, const PackedLayout& layout, const SparsePlan& plan,
                               const AttentionForwardParams& p, const RunOptions& opt = {});
@@ -145,8 +158,8 @@ struct AttentionBackwardParams {
   TensorView dq;    // out: [total_q, Hq, 128] bf16 or f32
   TensorView dk;    // out: [total_k, Hkv, 128] bf16 or f32
   TensorView dv;    // out: [total_k, Hkv, 128] bf16 or f32
-  TensorView workspace;  // optional, CUDA: uint8 [n >= plan_workspace_bytes], 256-byte aligned: this
-                         //   call's scratch instead of the plan's (required by a workspace_per_call plan)
+  TensorView workspace;  // optional, CUDA: uint8 [n >= call_workspace_bytes(this call)], 256-byte aligned:
+                         //   this call's scratch instead of the plan's (required by a workspace_per_call plan)
 };
 void sparse_attention_backward(const Topology& topo, const PackedLayout& layout, const SparsePlan& plan,
                                const AttentionBackwardParams& p, const RunOptions& opt = {});
@@ -170,8 +183,8 @@ struct KlBackwardParams {
   TensorView dindex_q;   // out: [total_q, Hi, Di] bf16 or f32
   TensorView dindex_k;   // out: [total_k, 1, Di] bf16 or f32
   float grad_scale = 0;
-  TensorView workspace;  // optional, CUDA: uint8 [n >= plan_workspace_bytes], 256-byte aligned: this
-                         //   call's scratch instead of the plan's (required by a workspace_per_call plan)
+  TensorView workspace;  // optional, CUDA: uint8 [n >= call_workspace_bytes(this call)], 256-byte aligned:
+                         //   this call's scratch instead of the plan's (required by a workspace_per_call plan)
 };
 void kl_backward(const Topology& topo, const PackedLayout& layout, const SparsePlan& plan,
                  const KlBackwardParams& p, const RunOptions& opt = {});

@@ -280,6 +280,10 @@ def plan_workspace_bytes(topo, layout, device):
     return _native.plan_workspace_bytes(topo, layout, device_name(device))
 
 
+def call_workspace_bytes(topo, layout, call, deterministic, device):
+    return _native.call_workspace_bytes(topo, layout, str(call), bool(deterministic), device_name(device))
+
+
 def sparse_attention_forward(topo, layout, plan, q, k, v, topk, out, lse, run: RunOptions, workspace=None):
     with on_device(q):
         _native.sparse_attention_forward(topo, layout, plan, array(q), array(k), array(v), array(topk), array(out),

@@ -80,8 +80,9 @@ def build_plan(topk, layout, topology=None, *, q_per_cta=8, workspace=None, work
     allocated once for the largest micro-batch and given to every plan. The plan keeps it
     alive; the operations of all plans sharing it must run in order on one stream.
     ``workspace_per_call`` (CUDA plans only; ignored on the CPU): the plan holds no scratch and
-    every ``forward`` / ``backward`` / ``kl_backward`` on it passes ``workspace=``, so that a
-    plan kept from a forward to its backward costs only its CSR and schedule."""
+    every ``forward`` / ``backward`` / ``kl_backward`` on it passes ``workspace=`` of at least
+    ``call_workspace_bytes`` for that call, so that a plan kept from a forward to its backward
+    costs only its CSR and schedule, and each call's scratch only its own regions."""
     hkv = _dim(topk, 0, "topk", 3)
     topo = _topology(topology, GROUP_SIZE * hkv, hkv)
     run = _calls.run_options(topk, deterministic=deterministic, num_threads=num_threads, stream=stream)
@@ -93,6 +94,17 @@ def plan_workspace_bytes(layout, topology=None, *, num_q_heads=64, num_kv_heads=
     """Bytes of scratch a plan for ``layout`` uses on ``device`` (0 on the CPU): the size of the
     ``workspace`` that ``build_plan`` accepts. Without ``topology`` the heads are MiniMax-M3's."""
     return _calls.plan_workspace_bytes(_topology(topology, num_q_heads, num_kv_heads), layout, device)
+
+
+def call_workspace_bytes(layout, call, topology=None, *, deterministic=False, num_q_heads=64, num_kv_heads=4,
+                         device="cuda"):
+    """Bytes of scratch one ``call`` (``"forward"``, ``"backward"`` or ``"kl_backward"``, with
+    ``deterministic`` as the call runs) uses on ``device`` (0 on the CPU): the least a
+    ``workspace=`` passed to that call must hold, and less than ``plan_workspace_bytes`` (which
+    serves every call). The forward's partial outputs are the largest part (~264 KB a query
+    token with 64 heads); the default backward needs ~50 KB a token, the default KL ~2.5 KB."""
+    return _calls.call_workspace_bytes(_topology(topology, num_q_heads, num_kv_heads), layout, call, deterministic,
+                                       device)
 
 
 def prepare(index_q, index_k, layout, topology=None, *, lse_temperature=1.0, q_per_cta=8, deterministic=False,
@@ -116,7 +128,8 @@ def _attention_setup(q, k, topk, layout, plan, topology, deterministic, num_thre
 def forward(q, k, v, topk, layout, plan=None, topology=None, *, out_dtype="float32", workspace=None,
             deterministic=False, num_threads=0, stream=None):
     """Sparse attention forward: (out [total_q, Hq, 128] of ``out_dtype``, lse float32 [total_q, Hq]).
-    ``workspace`` (CUDA): this call's scratch instead of the plan's (see ``build_plan``)."""
+    ``workspace`` (CUDA): this call's scratch instead of the plan's, of at least
+    ``call_workspace_bytes(layout, "forward")`` bytes (see ``build_plan``)."""
     _check_out_dtype(out_dtype, "out_dtype")
     topo, run, plan = _attention_setup(q, k, topk, layout, plan, topology, deterministic, num_threads, stream)
     out = _calls.empty(q, tuple(q.shape), out_dtype)
@@ -127,7 +140,8 @@ def forward(q, k, v, topk, layout, plan=None, topology=None, *, out_dtype="float
 
 def backward(dout, q, k, v, topk, out, lse, layout, plan=None, topology=None, *, grad_dtype="float32",
              workspace=None, deterministic=False, num_threads=0, stream=None):
-    """Sparse attention backward: (dq, dk, dv) of ``grad_dtype``. ``workspace``: as for ``forward``."""
+    """Sparse attention backward: (dq, dk, dv) of ``grad_dtype``. ``workspace``: as for ``forward``, of at
+    least ``call_workspace_bytes(layout, "backward", deterministic=deterministic)`` bytes."""
     _check_out_dtype(grad_dtype, "grad_dtype")
     topo, run, plan = _attention_setup(q, k, topk, layout, plan, topology, deterministic, num_threads, stream)
     dq = _calls.empty(q, tuple(q.shape), grad_dtype)
@@ -144,7 +158,8 @@ def kl_backward(q, k, lse, index_q, index_k, index_lse, topk, layout, plan=None,
     Teacher: mean over a group's 16 query heads of the main attention probabilities (from q, k,
     lse); student: softmax of the index scores (index_lse = select_blocks' LSE at temperature 1),
     both over the selected causal keys. ``grad_scale`` 0 means 1 / (Hi * total_q): the gradient
-    of the KL averaged over index heads and tokens. ``workspace``: as for ``forward``."""
+    of the KL averaged over index heads and tokens. ``workspace``: as for ``forward``, of at least
+    ``call_workspace_bytes(layout, "kl_backward", deterministic=deterministic)`` bytes."""
     _check_out_dtype(grad_dtype, "grad_dtype")
     topo, run, plan = _attention_setup(q, k, topk, layout, plan, topology, deterministic, num_threads, stream)
     diq = _calls.empty(q, tuple(index_q.shape), grad_dtype)

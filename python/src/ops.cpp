@@ -5,6 +5,7 @@
 
 #include "bindings.h"
 #include "convert.h"
+#include "msa/error.h"
 #include "msa/layout.h"
 
 namespace nb = nanobind;
@@ -148,7 +149,24 @@ void bind_ops(nb::module_& m) {
         return plan_workspace_bytes(topo, layout, parse_device(device));
       },
       nb::arg("topology"), nb::arg("layout"), nb::arg("device") = "cuda",
-      "Bytes of scratch a plan for this layout uses on `device` ('cpu': 0; 'cuda' / 'cuda:N').");
+      "Bytes of scratch a plan for this layout uses on `device` ('cpu': 0; 'cuda' / 'cuda:N'): enough for "
+      "every call on it in either mode.");
+  m.def(
+      "call_workspace_bytes",
+      [](const Topology& topo, const PackedLayout& layout, const std::string& call, bool deterministic,
+         const std::string& device) {
+        WorkspaceCall c{};
+        if (call == "forward") c = WorkspaceCall::forward;
+        else if (call == "backward") c = WorkspaceCall::backward;
+        else if (call == "kl_backward") c = WorkspaceCall::kl_backward;
+        else throw Error(ErrorKind::invalid_argument,
+                         "call must be 'forward', 'backward' or 'kl_backward', got '" + call + "'");
+        return call_workspace_bytes(topo, layout, parse_device(device), c, deterministic);
+      },
+      nb::arg("topology"), nb::arg("layout"), nb::arg("call"), nb::arg("deterministic") = false,
+      nb::arg("device") = "cuda",
+      "Bytes of scratch one call ('forward', 'backward' or 'kl_backward', in deterministic mode or not) on a "
+      "plan for this layout uses on `device`: the least a workspace passed to that call must hold.");
   m.def("sparse_attention_forward", &forward_py, nb::arg("topology"), nb::arg("layout"), nb::arg("plan"),
         nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("topk").none(), nb::arg("out"), nb::arg("lse"),
         nb::arg("workspace").none() = nb::none(), MSA_RUN_ARGS,

@@ -4,6 +4,8 @@
 
 #include <cmath>
 #include <cstring>
+#include <optional>
+#include <string>
 #include <vector>
 
 #include "backend.h"
@@ -101,22 +103,36 @@ TensorView bound_selection(const SparsePlan& plan, const TensorView& topk, const
               " in the plan); build a plan from this topk, or pass the plan's own plan.selection"));
 }
 
+// Bytes a workspace must hold: for every call (a plan's own, `call` empty) or for one call.
+int64_t needed_workspace_bytes(const Topology& topo, const PackedLayout& L, std::optional<WorkspaceCall> call,
+                               bool deterministic) {
+  if constexpr (detail::kWithCuda) {  // without the backend, build_plan refuses CUDA inputs anyway
+    return call ? cuda::call_workspace_bytes(topo, L, *call, deterministic) : cuda::plan_workspace_bytes(topo, L);
+  } else {
+    (void)topo, (void)L, (void)call, (void)deterministic;
+    return 0;
+  }
+}
+
+// What a workspace of `call` must hold, as an error names it.
+std::string workspace_requirement(std::optional<WorkspaceCall> call, bool deterministic, int64_t needed) {
+  if (!call) return concat("plan_workspace_bytes = ", needed);
+  return concat("call_workspace_bytes(", to_string(*call), deterministic ? ", deterministic" : "", ") = ", needed);
+}
+
 // A caller's workspace (`name`: options.workspace at build_plan, workspace in a call's params):
-// CUDA only, uint8 [n] contiguous on the plan's device, large enough for this layout and
-// 256-byte aligned (the kernels' TMA maps and vector stores need it).
-void check_plan_workspace(const Topology& topo, const PackedLayout& L, const TensorView& ws, Device dev,
-                          const std::string& name, const char* holder) {
+// CUDA only, uint8 [n] contiguous on the plan's device, large enough for this layout and call
+// and 256-byte aligned (the kernels' TMA maps and vector stores need it).
+void check_workspace(const Topology& topo, const PackedLayout& L, const TensorView& ws, Device dev,
+                     const std::string& name, const char* holder, std::optional<WorkspaceCall> call,
+                     bool deterministic) {
   require(dev.is_cuda(), concat(name, " is used by CUDA plans only, but ", holder, " is on ", to_string(dev), " (leave ",
                                 name, " empty)"));
   require(ws.rank == 1, concat(name, " must be 1-D, uint8 [n], got shape ", ws.shape_string()));
   check_tensor(ws, name.c_str(), {DType::u8}, {Dim(ws.shape[0], "n")}, dev);
-  if constexpr (detail::kWithCuda) {  // without the backend, build_plan refuses CUDA inputs anyway
-    const int64_t needed = cuda::plan_workspace_bytes(topo, L);
-    require(ws.shape[0] >= needed,
-            concat(name, " must hold at least plan_workspace_bytes = ", needed, " bytes for this layout, got ", ws.shape[0]));
-  } else {
-    (void)topo, (void)L;
-  }
+  const int64_t needed = needed_workspace_bytes(topo, L, call, deterministic);
+  require(ws.shape[0] >= needed, concat(name, " must hold at least ", workspace_requirement(call, deterministic, needed),
+                                        " bytes for this layout, got ", ws.shape[0]));
   require(reinterpret_cast<uintptr_t>(ws.data) % 256 == 0,
           concat(name, " must start at a 256-byte aligned address, got ", ws.data));
 }
@@ -124,14 +140,13 @@ void check_plan_workspace(const Topology& topo, const PackedLayout& L, const Ten
 // The scratch of one forward / backward / KL call: the params' workspace when given (checked),
 // which a plan built with workspace_per_call requires.
 void check_call_workspace(const Topology& topo, const PackedLayout& L, const SparsePlan& plan, const TensorView& ws,
-                          Device dev, const char* op) {
-  if (ws.present()) return check_plan_workspace(topo, L, ws, dev, concat(op, " workspace"), "q");
+                          Device dev, const char* op, WorkspaceCall call, const RunOptions& opt) {
+  if (ws.present()) return check_workspace(topo, L, ws, dev, concat(op, " workspace"), "q", call, opt.deterministic);
   if (plan.workspace_per_call && dev.is_cuda()) {
-    int64_t needed = 0;
-    if constexpr (detail::kWithCuda) needed = cuda::plan_workspace_bytes(topo, L);
-    fail(concat(op, ": the plan was built with workspace_per_call and holds no scratch; pass workspace (uint8 [n >= "
-                    "plan_workspace_bytes = ",
-                needed, "], 256-byte aligned, on ", to_string(dev), ")"));
+    const int64_t needed = needed_workspace_bytes(topo, L, call, opt.deterministic);
+    fail(concat(op, ": the plan was built with workspace_per_call and holds no scratch; pass workspace (uint8 [n >= ",
+                workspace_requirement(call, opt.deterministic, needed), "], 256-byte aligned, on ", to_string(dev),
+                ")"));
   }
 }
 
@@ -159,6 +174,25 @@ int64_t plan_workspace_bytes(const Topology& topo, const PackedLayout& L, Device
   topo.validate();
   return dispatch(
       "plan_workspace_bytes", device, [] { return int64_t(0); }, [&] { return cuda::plan_workspace_bytes(topo, L); });
+}
+
+const char* to_string(WorkspaceCall call) {
+  switch (call) {
+    case WorkspaceCall::forward: return "forward";
+    case WorkspaceCall::backward: return "backward";
+    case WorkspaceCall::kl_backward: return "kl_backward";
+  }
+  return "?";
+}
+
+int64_t call_workspace_bytes(const Topology& topo, const PackedLayout& L, Device device, WorkspaceCall call,
+                             bool deterministic) {
+  topo.validate();
+  require(call == WorkspaceCall::forward || call == WorkspaceCall::backward || call == WorkspaceCall::kl_backward,
+          concat("call_workspace_bytes: call must be forward, backward or kl_backward, got ", int(call)));
+  return dispatch(
+      "call_workspace_bytes", device, [] { return int64_t(0); },
+      [&] { return cuda::call_workspace_bytes(topo, L, call, deterministic); });
 }
 
 namespace detail {
@@ -201,7 +235,7 @@ SparsePlan build_plan(const Topology& topo, const PackedLayout& L, const TensorV
           "build_plan: options.workspace_per_call means the plan holds no scratch, but options.workspace gives it "
           "one; pass the workspace to each call instead");
   if (options.workspace.present())
-    check_plan_workspace(topo, L, options.workspace, topk.device, "options.workspace", "topk");
+    check_workspace(topo, L, options.workspace, topk.device, "options.workspace", "topk", std::nullopt, false);
   // CUDA buffers are used on opt.stream.
   SparsePlan plan = detail::allocate_plan(topo, L.total_q(), L.total_rows(topo.block_size), options.q_per_cta,
                                           topk.device, on_cuda(topk) ? opt.stream : nullptr, true);
@@ -230,7 +264,7 @@ void sparse_attention_forward(const Topology& topo, const PackedLayout& L, const
   check_tensor(p.out, "out", kFloatOut, {Dim(L.total_q(), "total_q"), Dim(Hq, "Hq"), Dim(D)}, dev);
   check_tensor(p.lse, "lse", {DType::f32}, {Dim(L.total_q(), "total_q"), Dim(Hq, "Hq")}, dev);
   check_plan(plan, L, topo, dev);
-  check_call_workspace(topo, L, plan, p.workspace, dev, "sparse_attention_forward");
+  check_call_workspace(topo, L, plan, p.workspace, dev, "sparse_attention_forward", WorkspaceCall::forward, opt);
   if (on_cuda(p.q)) {
     detail::check_rows_aligned(p.q, "q", 16);
     detail::check_rows_aligned(p.k, "k", 16);
@@ -266,7 +300,7 @@ void sparse_attention_backward(const Topology& topo, const PackedLayout& L, cons
   check_tensor(p.dk, "dk", kFloatOut, {Tk, Dim(Hkv, "Hkv"), Dim(D)}, dev);
   check_tensor(p.dv, "dv", kFloatOut, {Tk, Dim(Hkv, "Hkv"), Dim(D)}, dev);
   check_plan(plan, L, topo, dev);
-  check_call_workspace(topo, L, plan, p.workspace, dev, "sparse_attention_backward");
+  check_call_workspace(topo, L, plan, p.workspace, dev, "sparse_attention_backward", WorkspaceCall::backward, opt);
   AttentionBackwardParams bound = p;
   bound.topk = bound_selection(plan, p.topk, "sparse_attention_backward", opt);
   dispatch(
@@ -295,7 +329,7 @@ void kl_backward(const Topology& topo, const PackedLayout& L, const SparsePlan& 
   require(std::isfinite(p.grad_scale) && p.grad_scale >= 0,
           concat("grad_scale must be finite and >= 0 (0 = 1 / (Hi * total_q)), got ", p.grad_scale));
   check_plan(plan, L, topo, dev);
-  check_call_workspace(topo, L, plan, p.workspace, dev, "kl_backward");
+  check_call_workspace(topo, L, plan, p.workspace, dev, "kl_backward", WorkspaceCall::kl_backward, opt);
   KlBackwardParams bound = p;
   bound.topk = bound_selection(plan, p.topk, "kl_backward", opt);
   dispatch(

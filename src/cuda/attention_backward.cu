@@ -248,7 +248,7 @@ void launch_prepare(const AttentionBackwardParams& p, int64_t rows, float* delta
 
 void sparse_attention_backward(const Topology& topo, const PackedLayout& L, const SparsePlan& plan,
                                const AttentionBackwardParams& p, const RunOptions& opt) {
-  const ChunkPass pass(p.q, topo, L, plan, opt, p.workspace);
+  const ChunkPass pass(p.q, topo, L, plan, opt, p.workspace, WorkspaceCall::backward);
   const WorkspaceLayout& w = pass.w;
   const int64_t Tq = pass.total_q, Tk = pass.total_k;
   const int Hq = topo.num_q_heads, Hkv = topo.num_kv_heads;

@@ -809,7 +809,7 @@ void sparse_attention_forward(const Topology& topo, const PackedLayout& L, const
                               const AttentionForwardParams& p, const RunOptions& opt) {
   DeviceGuard guard(p.q.device.index);
   const PlanState& st = plan_state(plan);
-  const WorkspaceLayout w = workspace_layout(topo, L);
+  const WorkspaceLayout w = workspace_layout(topo, L, WorkspaceCall::forward, false);
   ForwardLaunch f;
   f.kind = KvSourceKind::packed_bf16;
   const int64_t row_bytes = int64_t(topo.num_kv_heads) * kDim * 2;  // one packed token, all KV heads

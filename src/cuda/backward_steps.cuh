@@ -226,9 +226,10 @@ struct ChunkPass {
   void* const scratch;  // the call's workspace, else the plan's
 
   ChunkPass(const TensorView& q, const Topology& topo, const PackedLayout& L, const SparsePlan& plan_,
-            const RunOptions& opt, const TensorView& workspace)
+            const RunOptions& opt, const TensorView& workspace, WorkspaceCall call)
       : guard(q.device.index), plan(plan_), layout(L), st(plan_state(plan_)), stream(as_stream(opt)),
-        total_q(L.total_q()), total_k(L.total_k()), w(workspace_layout(topo, L)), deterministic(opt.deterministic),
+        total_q(L.total_q()), total_k(L.total_k()), w(workspace_layout(topo, L, call, opt.deterministic)),
+        deterministic(opt.deterministic),
         chunks(chunk_list(plan_, st, total_q)), scratch(call_workspace(st, workspace)) {}
 
   template <typename T>

@@ -250,7 +250,7 @@ __global__ void __launch_bounds__(kWalkerThreads, 1) kl_chunks_kernel(const __gr
 
 void kl_backward(const Topology& topo, const PackedLayout& L, const SparsePlan& plan, const KlBackwardParams& p,
                  const RunOptions& opt) {
-  const ChunkPass pass(p.q, topo, L, plan, opt, p.workspace);
+  const ChunkPass pass(p.q, topo, L, plan, opt, p.workspace, WorkspaceCall::kl_backward);
   const WorkspaceLayout& w = pass.w;
   const int64_t Tq = pass.total_q, Tk = pass.total_k;
   const int Hkv = topo.num_kv_heads, Hi = topo.num_index_heads;

@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "backend.h"
+#include "msa/constants.h"
 
 namespace msa::cuda {
 
@@ -17,52 +18,73 @@ struct Cursor {
 };
 }  // namespace
 
-WorkspaceLayout forward_workspace_layout(int64_t Tq, int Hkv) {
-  const int64_t Hq = 16 * int64_t(Hkv);
+WorkspaceLayout workspace_layout(const WorkspaceShape& n, WorkspaceCall call, bool deterministic) {
+  const int64_t Tq = n.total_q, Tk = n.total_k, Hkv = n.num_kv_heads, Hq = 16 * Hkv, Hi = Hkv;
+  const int64_t edges = int64_t(model::kTopk) * Tq;
+  constexpr int64_t D = model::kHeadDim;
+  const int64_t key_grad = D * D * 4;  // one f32 [128, 128] key gradient tile
   WorkspaceLayout w;
-  Cursor fwd;
-  w.part_o = fwd.take(16 * Tq * Hq * 128 * 2);
-  w.part_ml = fwd.take(16 * Tq * Hq * 8);
-  w.total = fwd.at;
+  Cursor c;
+  // Per-chunk key gradients and their per-row sums (deterministic modes); `gradients` of them.
+  auto key_partials = [&](int64_t gradients) {
+    w.kv_chunks = c.take(n.chunk_capacity * gradients * key_grad);
+    w.kv_rows = c.take(Hkv * n.total_rows * gradients * key_grad);
+  };
+  switch (call) {
+    case WorkspaceCall::forward:
+      w.part_o = c.take(edges * Hq * D * 2);
+      w.part_ml = c.take(edges * Hq * 8);
+      break;
+    case WorkspaceCall::backward:
+      w.delta = c.take(Tq * Hq * 4);
+      w.dout16 = c.take(Tq * Hq * D * 2);
+      if (deterministic) {
+        w.dq_part = c.take(edges * Hq * D * 2);
+        key_partials(2);
+      } else {
+        w.dq_acc = c.take(Tq * Hq * D * 4);
+        w.dk_acc = c.take(Tk * Hkv * D * 4);
+        w.dv_acc = c.take(Tk * Hkv * D * 4);
+      }
+      break;
+    case WorkspaceCall::kl_backward:
+      if (deterministic) {
+        w.dqi_part = c.take(edges * Hi * D * 4);
+        key_partials(1);
+      } else {
+        w.dqi_acc = c.take(Tq * Hi * D * 4);
+        w.dki_acc = c.take(Tk * D * 4);
+      }
+      break;
+  }
+  w.total = std::max(c.at, int64_t(256));
   return w;
 }
 
-// Regions used by modes that never run together overlap:
-//   [0, A): forward partials | deterministic dQ partials | atomic dQ/dK/dV accumulators | KL
-//   [A, ...): delta, per-chunk and per-row dK/dV (backward, KL).
-WorkspaceLayout workspace_layout(int64_t Tq, int64_t Tk, int Hkv, int64_t rows, int64_t chunks) {
-  const int64_t Hq = 16 * int64_t(Hkv), Hi = Hkv;
-  WorkspaceLayout w = forward_workspace_layout(Tq, Hkv);
-  Cursor fwd{w.total};
-  Cursor det;
-  w.dq_part = det.take(16 * Tq * Hq * 128 * 2);
-  Cursor atomic;
-  w.dq_acc = atomic.take(Tq * Hq * 128 * 4);
-  w.dk_acc = atomic.take(Tk * Hkv * 128 * 4);
-  w.dv_acc = atomic.take(Tk * Hkv * 128 * 4);
-  Cursor kl;
-  w.dqi_part = kl.take(16 * Tq * Hi * 128 * 4);
-  w.dqi_acc = kl.take(Tq * Hi * 128 * 4);
-  w.dki_acc = kl.take(Tk * 128 * 4);
-  Cursor shared{std::max({fwd.at, det.at, atomic.at, kl.at})};
-  w.delta = shared.take(Tq * Hq * 4);
-  w.dout16 = shared.take(Tq * Hq * 128 * 2);
-  w.kv_chunks = shared.take(chunks * 2 * 128 * 128 * 4);
-  w.kv_rows = shared.take(Hkv * rows * 2 * 128 * 128 * 4);
-  w.total = std::max({fwd.at, shared.at, int64_t(256)});
-  return w;
+WorkspaceLayout forward_workspace_layout(int64_t Tq, int Hkv) {
+  return workspace_layout(WorkspaceShape{.total_q = Tq, .num_kv_heads = Hkv}, WorkspaceCall::forward, false);
 }
 
 int64_t chunk_capacity(const Topology& topo, const PackedLayout& L) {
   return topo.num_kv_heads * (L.total_rows(topo.block_size) + ceil_div(L.total_q() * topo.topk, kChunkQueries));
 }
 
-WorkspaceLayout workspace_layout(const Topology& topo, const PackedLayout& L) {
-  return workspace_layout(L.total_q(), L.total_k(), topo.num_kv_heads, L.total_rows(topo.block_size),
-                          chunk_capacity(topo, L));
+WorkspaceLayout workspace_layout(const Topology& topo, const PackedLayout& L, WorkspaceCall call, bool deterministic) {
+  const WorkspaceShape n{.total_q = L.total_q(), .total_k = L.total_k(), .num_kv_heads = topo.num_kv_heads,
+                         .total_rows = L.total_rows(topo.block_size), .chunk_capacity = chunk_capacity(topo, L)};
+  return workspace_layout(n, call, deterministic);
 }
 
-int64_t plan_workspace_bytes(const Topology& topo, const PackedLayout& L) { return workspace_layout(topo, L).total; }
+int64_t call_workspace_bytes(const Topology& topo, const PackedLayout& L, WorkspaceCall call, bool deterministic) {
+  return workspace_layout(topo, L, call, deterministic).total;
+}
+
+int64_t plan_workspace_bytes(const Topology& topo, const PackedLayout& L) {
+  int64_t most = 0;
+  for (WorkspaceCall call : {WorkspaceCall::forward, WorkspaceCall::backward, WorkspaceCall::kl_backward})
+    for (bool deterministic : {false, true}) most = std::max(most, call_workspace_bytes(topo, L, call, deterministic));
+  return most;
+}
 
 void attach_workspace(const Topology& topo, const PackedLayout& L, const TensorView& given, PlanState& state,
                       Device dev, void* stream) {

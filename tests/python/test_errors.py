@@ -55,6 +55,10 @@ def test_plan_workspace_is_for_cuda_plans(rng):
         msa.build_plan(topk, layout, workspace=np.zeros(1 << 20, np.uint8))
     with pytest.raises(msa.InvalidArgumentError, match=r"device must be 'cpu', 'cuda' or 'cuda:N', got 'gpu0'"):
         msa.plan_workspace_bytes(layout, device="gpu0")
+    for call in ("forward", "backward", "kl_backward"):
+        assert msa.call_workspace_bytes(layout, call, num_q_heads=16, num_kv_heads=1, device="cpu") == 0
+    with pytest.raises(msa.InvalidArgumentError, match=r"call must be 'forward', 'backward' or 'kl_backward', got 'fwd'"):
+        msa.call_workspace_bytes(layout, "fwd", device="cpu")
 
 
 def test_workspace_per_call_is_for_cuda_plans(rng):

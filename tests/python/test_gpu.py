@@ -285,6 +285,29 @@ def test_plans_sharing_a_caller_workspace_match_a_plan_with_its_own():
         msa.build_plan(topk, layout, workspace=torch.empty(nbytes - 1, dtype=torch.uint8, device="cuda"))
 
 
+def test_each_call_runs_on_its_own_workspace_bytes():
+    # A plan without scratch: each call gets exactly call_workspace_bytes of NaN bytes (the
+    # default backward's fp32 accumulators are a fraction of the forward's partials), and one
+    # byte fewer is refused by name.
+    x = to_cuda(inputs())
+    layout = msa.make_layout(CU)
+    topk = msa.select_blocks(x["iq"], x["ik"], layout)
+    want_out, want_lse = msa.forward(x["q"], x["k"], x["v"], topk, layout, msa.build_plan(topk, layout))
+    plan = msa.build_plan(topk, layout, workspace_per_call=True)
+    sizes = {call: msa.call_workspace_bytes(layout, call, device="cuda") for call in ("forward", "backward")}
+    assert sizes["backward"] < sizes["forward"] <= msa.plan_workspace_bytes(layout, device="cuda")
+    nan = lambda n: torch.full((n,), 0xFF, dtype=torch.uint8, device="cuda")  # noqa: E731
+    out, lse = msa.forward(x["q"], x["k"], x["v"], topk, layout, plan, workspace=nan(sizes["forward"]))
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    dout = torch.randn_like(out)
+    grads = msa.backward(dout, x["q"], x["k"], x["v"], topk, out, lse, layout, plan, workspace=nan(sizes["backward"]))
+    want = msa.backward(dout, x["q"], x["k"], x["v"], topk, out, lse, layout, msa.build_plan(topk, layout))
+    for got, ref in zip(grads, want):  # both fp32 atomics: equal up to the order of their additions
+        assert rel_err(got, ref) < 1e-5
+    with pytest.raises(msa.InvalidArgumentError, match=r"must hold at least call_workspace_bytes\(backward\)"):
+        msa.backward(dout, x["q"], x["k"], x["v"], topk, out, lse, layout, plan, workspace=nan(sizes["backward"] - 1))
+
+
 def test_allocator_errors_reach_the_caller_and_the_default_comes_back():
     x = to_cuda(inputs())
     topk = mt.select_blocks(x["iq"], x["ik"], x["cu"])

@@ -65,11 +65,13 @@ class _PlanCache:
 _plans = _PlanCache()
 
 
-def _workspace(topo, layout, like: Tensor):
-    """A call's scratch for a plan of the cache (CUDA), from PyTorch's allocator; None on the CPU."""
+def _workspace(topo, layout, like: Tensor, call: str, deterministic: bool):
+    """The scratch of one ``call`` on a plan of the cache (CUDA): only that call's regions
+    (call_workspace_bytes), from PyTorch's allocator, for the call's duration; None on the CPU."""
     if not like.is_cuda:
         return None
-    return torch.empty(_calls.plan_workspace_bytes(topo, layout, like.device), dtype=torch.uint8, device=like.device)
+    nbytes = _calls.call_workspace_bytes(topo, layout, call, deterministic, like.device)
+    return torch.empty(nbytes, dtype=torch.uint8, device=like.device)
 
 
 def _shape(t: Tensor, name: str, rank: int):
@@ -122,7 +124,7 @@ def sparse_attention_forward(q: Tensor, k: Tensor, v: Tensor, topk: Tensor, cu_s
     plan = _plans.plan(topo, layout, topk, run, hkv)
     # topk None: the plan's own copy of the selection it was built from (nothing to compare).
     _calls.sparse_attention_forward(topo, layout, plan, q.contiguous(), k.contiguous(), v.contiguous(), None, out, lse,
-                                    run, _workspace(topo, layout, q))
+                                    run, _workspace(topo, layout, q, "forward", deterministic))
     return out, lse
 
 
@@ -148,7 +150,7 @@ def sparse_attention_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, top
     plan = _plans.plan(topo, layout, topk, run, hkv)
     _calls.sparse_attention_backward(topo, layout, plan, q.contiguous(), k.contiguous(), v.contiguous(), None,
                                      out.contiguous(), lse.contiguous(), dout.contiguous(), dq, dk, dv, run,
-                                     _workspace(topo, layout, q))
+                                     _workspace(topo, layout, q, "backward", deterministic))
     return dq, dk, dv
 
 
@@ -198,7 +200,7 @@ def kl_backward(q: Tensor, k: Tensor, lse: Tensor, index_q: Tensor, index_k: Ten
     plan = _plans.plan(topo, layout, topk, run, hkv)
     _calls.kl_backward(topo, layout, plan, q.contiguous(), k.contiguous(), lse.contiguous(), index_q.contiguous(),
                        index_k.contiguous(), index_lse.contiguous(), None, diq, dik, grad_scale, run,
-                       _workspace(topo, layout, q))
+                       _workspace(topo, layout, q, "kl_backward", deterministic))
     return diq, dik
 
 
