@@ -26,7 +26,7 @@
 // NVFP4 pages become the same E4M3 codes in registers: a CTA table holds, per block-scale code,
 // the 8 codes E4M3(clamp(m * scale, +-448)) of the E2M1 magnitudes m (the format's rounded
 // product, §9.6 of docs/semantics.md), so that 8 E2M1 codes of one 16-element block turn into
-// their E4M3 codes with two byte permutes of that entry and two for the signs; the global scale
+// their E4M3 codes with two byte permutes of that entry and two sign-replicating ones; the global scale
 // then acts as FP8's per-tensor scale. Codes land with the 64-byte swizzle, block scales by the
 // producer warp's cp.async.
 //
@@ -41,11 +41,14 @@
 //
 // Keys past a row's causal limit are removed by selection (-inf scores; their V codes zeroed
 // before the conversion: 0 * NaN is NaN): a row never multiplies a page it did not select, so no
-// V side needs an inf / NaN check. Splits > 1 write normalised partials that merge_states
-// combines (the host launches it).
+// V side needs an inf / NaN check. Those masks cost a quarter of a page's instructions, so a
+// page wholly visible to its row (every page of a request but its last) runs a second copy of
+// the body compiled for 128 keys (run 29). Splits > 1 write normalised partials that
+// merge_states combines (the host launches it).
 #include <algorithm>
 #include <cstddef>
 #include <mutex>
+#include <type_traits>
 
 #include "attention_state.h"
 #include "core/check.h"
@@ -129,14 +132,25 @@ __device__ __forceinline__ uint32_t fp4_offset(int t, int b) {
   return uint32_t(t * 64 + ((((b >> 4) ^ ((t >> 1) & 3))) << 4) + (b & 15));
 }
 
+// prmt.b32 with the selector as given: a selector nibble with bit 3 set writes the selected
+// byte's bit 7 replicated (0x00 / 0xff) instead of the byte (__byte_perm documents only bits 0-2).
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t selector) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(selector));
+  return d;
+}
+
 // The E4M3 codes of 8 E2M1 codes (element 2i in the low nibble of byte i) of one block whose
-// scale's table entry is `entry`: magnitudes by byte permutes of the entry, signs XORed in.
+// scale's table entry is `entry`: magnitudes by byte permutes of the entry (bit 3 of each
+// selector nibble cleared), signs by sign-replicating permutes (element 2i's sign is bit 3 of
+// byte i, bit 7 once shifted by 4; element 2i + 1's is bit 7), XORed in as 0x80.
 __device__ __forceinline__ uint2 fp4_to_e4m3x8(uint32_t codes, uint2 entry) {
-  const uint32_t mx = __byte_perm(entry.x, entry.y, codes & 0x7777u);
-  const uint32_t my = __byte_perm(entry.x, entry.y, (codes >> 16) & 0x7777u);
-  const uint32_t sx = __byte_perm(0x00008000u, 0u, (codes >> 3) & 0x1111u);
-  const uint32_t sy = __byte_perm(0x00008000u, 0u, (codes >> 19) & 0x1111u);
-  return make_uint2(mx ^ sx, my ^ sy);
+  const uint32_t magnitude = codes & 0x77777777u;
+  const uint32_t mx = prmt(entry.x, entry.y, magnitude), my = prmt(entry.x, entry.y, magnitude >> 16);
+  const uint32_t even = codes << 4;
+  const uint32_t sx = prmt(even, codes, 0xD9C8u);  // elements 0..3: bytes 0, 4, 1, 5 of (even, codes), sign-replicated
+  const uint32_t sy = prmt(even, codes, 0xFBEAu);  // elements 4..7: bytes 2, 6, 3, 7
+  return make_uint2(mx ^ (sx & 0x80808080u), my ^ (sy & 0x80808080u));
 }
 
 // The 8 E4M3 codes of dims d0 .. d0 + 7 of token t (d0 % 8 == 0), whatever the side's format.
@@ -483,13 +497,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   int seen = 0;        // pages of the split this row selected so far
   const uint8_t* ring = sm.ring;
   const uint32_t ring_addr = base + uint32_t(offsetof(Storage, ring));
+  // NVFP4's two page bodies together outgrow the SM's instruction cache: a CTA of a few pages,
+  // whose warps would fetch both cold, keeps to the masked one (run 29: 8 x 4k, Q = 1).
+  const bool whole_page_body = !Page::kFp4 || pages >= kRowWarps;
   for (int u = 0; u < pages; ++u) {
     const int s = u % Page::kStages;
     const bool mine = active && ((sm.pages.page_rows[u] >> row) & 1u);
     const bool computes = mine && (seen++ % W) == turn;  // warp-uniform
     mbar_wait(smem_addr(&sm.full[s]), (u / Page::kStages) & 1);
-    if (computes) {
-      const int limit = visible_keys(pos, sm.pages.page_logical[u]);
+    // One page for this warp; `limit` keys visible. A page wholly visible (all of a request's
+    // pages but its last) takes a copy of the body compiled for 128 keys, without the key masks.
+    auto page_body = [&](auto limit) {
       float sc[16][4];
       uint32_t pa[8][4];
       if constexpr (F == KvFormat::fp8_e4m3) {
@@ -511,6 +529,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         softmax_page<false>(st, sc, pa, limit, qk, lane & 3);
         page_values_bf16(st, page + Page::kSideBytes, pa, limit, lane);
       }
+    };
+    if (computes) {
+      const int limit = visible_keys(pos, sm.pages.page_logical[u]);
+      if (whole_page_body && limit >= kPageSize) page_body(std::integral_constant<int, kPageSize>{});
+      else page_body(limit);
     }
     __syncwarp();
     if (lane == 0) mbar_arrive(smem_addr(&sm.empty[s]));

@@ -33,6 +33,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <mutex>
+#include <type_traits>
 
 #include "attention_state.h"
 #include "core/check.h"
@@ -509,8 +510,14 @@ __device__ __forceinline__ void consume_pages(const AttnArgs& a, DecodeStorage<C
       uint32_t p[8][4];
       if (computes) {
         if (mine) {
-          softmax_step<kF16V>(st, s, p, limit, qk, PerToken ? sm.token_scale[sk] : nullptr,
-                       PerToken ? sm.token_scale[sv] : nullptr, quad);
+          const float* k_scale = PerToken ? sm.token_scale[sk] : nullptr;
+          const float* v_scale = PerToken ? sm.token_scale[sv] : nullptr;
+          // A wholly visible page (all of a request's pages but its last): the step compiled
+          // for 128 keys, without the key masks.
+          if (limit >= kPageSize)
+            softmax_step<kF16V>(st, s, p, std::integral_constant<int, kPageSize>{}, qk, k_scale, v_scale, quad);
+          else
+            softmax_step<kF16V>(st, s, p, limit, qk, k_scale, v_scale, quad);
         } else {
 #pragma unroll
           for (int c = 0; c < 8; ++c) p[c][0] = p[c][1] = p[c][2] = p[c][3] = 0u;
