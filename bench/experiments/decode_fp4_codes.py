@@ -42,11 +42,15 @@ for bs in range(256):
     codes = [f32_to_e4m3(np.float32(m) * np.float32(vals[bs])) for m in E2M1]
     lut.append((codes[0] | codes[1] << 8 | codes[2] << 16 | codes[3] << 24, codes[4] | codes[5] << 8 | codes[6] << 16 | codes[7] << 24))
 def dev(code_word, bs):
+    # As the kernel (run 29): magnitudes by permutes of the table entry (selector bit 3 cleared;
+    # prmt reads the selector's low 16 bits), signs by sign-replicating permutes of
+    # (codes << 4, codes): element 2i's sign is bit 3 of byte i, element 2i + 1's bit 7.
     lx, ly = lut[bs]
-    sel_x = code_word & 0x7777; sel_y = (code_word >> 16) & 0x7777
-    mx = byte_perm(lx, ly, sel_x); my = byte_perm(lx, ly, sel_y)
-    sx = byte_perm(0x00008000, 0, (code_word >> 3) & 0x1111); sy = byte_perm(0x00008000, 0, (code_word >> 19) & 0x1111)
-    wx = mx ^ sx; wy = my ^ sy
+    magnitude = code_word & 0x77777777
+    mx = byte_perm(lx, ly, magnitude & 0xffff); my = byte_perm(lx, ly, magnitude >> 16)
+    even = (code_word << 4) & 0xffffffff
+    sx = byte_perm(even, code_word, 0xD9C8); sy = byte_perm(even, code_word, 0xFBEA)
+    wx = mx ^ (sx & 0x80808080); wy = my ^ (sy & 0x80808080)
     return [(wx >> (8*i)) & 0xff for i in range(4)] + [(wy >> (8*i)) & 0xff for i in range(4)]
 rng = np.random.default_rng(0)
 bad = 0
