@@ -22,7 +22,7 @@ WorkspaceLayout workspace_layout(const WorkspaceShape& n, WorkspaceCall call, bo
   const int64_t Tq = n.total_q, Tk = n.total_k, Hkv = n.num_kv_heads, Hq = 16 * Hkv, Hi = Hkv;
   const int64_t edges = int64_t(model::kTopk) * Tq;
   constexpr int64_t D = model::kHeadDim;
-  const int64_t key_grad = D * D * 4;  // one f32 [128, 128] key gradient tile
+  const int64_t key_grad = int64_t(model::kBlockSize) * D * 4;  // one f32 [block, 128] key gradient tile
   WorkspaceLayout w;
   Cursor c;
   // Per-chunk key gradients and their per-row sums (deterministic modes); `gradients` of them.
