@@ -2,10 +2,10 @@
 // top list per (query, index head) kept in registers while the key blocks stream past; no
 // [T, blocks] score buffer exists.
 //
-// A CTA owns a tile of 256 (query, head) vectors: 256 / Hi consecutive queries of one
+// A CTA owns a tile of 192 (query, head) vectors: 192 / Hi consecutive queries of one
 // document x Hi index heads (a key block crosses from L2 once per tile); consumer warp w
 // holds 16 consecutive queries of head w % Hi as the rows of its m16 MMA tiles (its
-// warpgroup's 64 rows are one wgmma; four consumer warpgroups). One thread of a
+// warpgroup's 64 rows are one wgmma; three consumer warpgroups). One thread of a
 // producer warpgroup brings the document's key blocks by TMA into a ring of kStages stages;
 // each consumer warpgroup multiplies a block as soon as it has landed and its warps hand the
 // stage back through an `empty` mbarrier once S is in registers: no CTA-wide barrier in the
@@ -34,16 +34,18 @@ namespace {
 constexpr int kBlock = model::kBlockSize;  // keys of a block: rows of a key tile
 constexpr int kDim = model::kHeadDim;      // index head dim: columns of the query and key tiles
 constexpr int kTopk = model::kTopk;
-constexpr int kTileVectors = 256;  // (query, index head) vectors of a CTA: four m64 warpgroup tiles
+constexpr int kTileVectors = 192;  // (query, index head) vectors of a CTA: three m64 warpgroup tiles
 constexpr int kWarpRows = 16;      // rows of a warp's m16 MMA tiles (consecutive queries of one head)
 constexpr int kNFrags = kBlock / 8;  // n8 accumulator fragments across a key block
 constexpr int kWarps = kTileVectors / 16;   // consumer warps (16 vectors each)
 constexpr int kThreads = (kWarps + 4) * 32;  // and a producer warpgroup (one thread issues)
 // setmaxnreg: the producers give their registers to the consumers (the launch's share,
-// 65536 / 640 in steps of 8, is the CTA's pool; the consumers need more than it). With the
-// selected-LSE lists (kLse) the consumers spill ~340 bytes at this size; without, ~30.
+// 65536 / 512 in steps of 8, is the CTA's pool; the consumers need more than it). Three
+// consumer warpgroups at 160 registers keep S, the lists and the selected-LSE path without
+// spills; four at 112 spilled 30 bytes (340 with the LSE) and were slower with the LSE
+// (docs/performance.md run 30).
 constexpr int kProducerRegs = 24;
-constexpr int kConsumerRegs = 112;
+constexpr int kConsumerRegs = 160;
 static_assert(kProducerRegs * 128 + kConsumerRegs * 32 * kWarps <= 65536 / kThreads / 8 * 8 * kThreads);
 constexpr int kStages = 4;                   // key blocks in flight
 constexpr int kTileBytes = kBlock * kDim * 2;  // a bf16 key tile
@@ -52,9 +54,17 @@ static_assert(kWarps * kWarpRows == kTileVectors, "16 rows a warp");
 // Shared memory: the key ring and the query tile (swizzled, device.cuh's tile layout);
 //   full[s]   the TMA bytes of stage s have landed (1 arrival + bytes)
 //   empty[s]  every consumer warp is done with stage s (kWarps arrivals)
+// and, with the selected LSE (kLse), each consumer warp's rows that need a block's LSE.
 struct alignas(1024) KeyTile {
   unsigned char bytes[kTileBytes];
 };
+constexpr int kLseSlots = 4;  // rows of a warp whose block LSE is summed together (a round)
+struct LseRounds {
+  float score[kLseSlots][kBlock];  // a row's masked scores (any order: they are summed)
+  float top[kLseSlots];            // its block max, scaled (log2 units)
+  float sum[kLseSlots];            // its sum of 2^(score - top)
+};
+template <bool kLse>
 struct IndexerStorage {
   KeyTile keys[kStages];
   struct alignas(1024) {
@@ -62,8 +72,10 @@ struct IndexerStorage {
   } query;
   uint64_t full[kStages];
   uint64_t empty[kStages];
+  LseRounds lse[kLse ? kWarps : 1];
 };
-constexpr int kSmemBytes = storage_smem_bytes<IndexerStorage>();
+template <bool kLse>
+constexpr int kSmemBytes = storage_smem_bytes<IndexerStorage<kLse>>();
 constexpr int kMaxDocs = 320;  // documents per launch (kernel parameter space)
 constexpr int kList = kTopk - 1;  // ranked history slots at most (local >= 1)
 
@@ -85,6 +97,90 @@ struct IndexerArgs {
   float scale;           // index score = scale * <qi, ki>
   float lse_scale_log2;  // scale / temperature * log2(e)
 };
+
+// Block sums of 2^(score * c - top) over the visible keys (the first `visible` of the block)
+// of the rows that need a block LSE. The row's maximum term is 2^0 = 1, so terms that
+// fast_exp2 flushes to zero (below 2^-126) would not change the sum.
+//
+// quad_sum_exp: this lane's share of row a (E = 0) or b (E = 2) of its quad, where `on`.
+template <int E, bool kWhole>
+__device__ __forceinline__ float quad_sum_exp(const float (&s)[kNFrags][4], bool on, int visible, float top, float c,
+                                              int t) {
+  float sum = 0.f;
+  if (on) {
+#pragma unroll
+    for (int nt = 0; nt < kNFrags; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+        if (kWhole || nt * 8 + 2 * t + e < visible) sum += fast_exp2(s[nt][E + e] * c - top);
+  }
+  return sum;
+}
+
+// gathered_sum_exp: the rows of `wanted` (bit 4q: row a of quad q, bit 4q + 1: its row b;
+// lanes 4q, 4q + 1 own them and get the sum; `top` is the owner's block max times c) go
+// through `r` kLseSlots at a time: the quad stores its 4 x 32 scores of the row (keys at or
+// past `visible_a` / `visible_b` as -inf), then 8 lanes sum a row. The summation order is
+// not quad_sum_exp's; the LSE's tolerance allows it.
+__device__ __forceinline__ float gathered_sum_exp(LseRounds& r, uint32_t wanted, const float (&s)[kNFrags][4],
+                                               int visible_a, int visible_b, float top, float c, int lane) {
+  const int t = lane & 3, bit_a = lane & ~3, bit_b = bit_a + 1;
+  float mine = 0.f;
+  for (uint32_t pending = wanted; pending != 0;) {  // warp-uniform
+    uint32_t round = 0;
+#pragma unroll
+    for (int i = 0; i < kLseSlots; ++i) {
+      const uint32_t low = pending & (0u - pending);
+      round |= low;
+      pending ^= low;
+    }
+    const int slot_a = (round >> bit_a) & 1 ? __popc(round & ((1u << bit_a) - 1)) : -1;
+    const int slot_b = (round >> bit_b) & 1 ? __popc(round & ((1u << bit_b) - 1)) : -1;
+    if (slot_a >= 0) {
+      float4* dst = reinterpret_cast<float4*>(&r.score[slot_a][32 * t]);
+#pragma unroll
+      for (int nt = 0; nt < kNFrags; nt += 2) {
+        const int c0 = nt * 8 + 2 * t;
+        dst[nt / 2] = make_float4(c0 < visible_a ? s[nt][0] : -INFINITY, c0 + 1 < visible_a ? s[nt][1] : -INFINITY,
+                                  c0 + 8 < visible_a ? s[nt + 1][0] : -INFINITY,
+                                  c0 + 9 < visible_a ? s[nt + 1][1] : -INFINITY);
+      }
+      if (t == 0) r.top[slot_a] = top;
+    }
+    if (slot_b >= 0) {
+      float4* dst = reinterpret_cast<float4*>(&r.score[slot_b][32 * t]);
+#pragma unroll
+      for (int nt = 0; nt < kNFrags; nt += 2) {
+        const int c0 = nt * 8 + 2 * t;
+        dst[nt / 2] = make_float4(c0 < visible_b ? s[nt][2] : -INFINITY, c0 + 1 < visible_b ? s[nt][3] : -INFINITY,
+                                  c0 + 8 < visible_b ? s[nt + 1][2] : -INFINITY,
+                                  c0 + 9 < visible_b ? s[nt + 1][3] : -INFINITY);
+      }
+      if (t == 1) r.top[slot_b] = top;
+    }
+    __syncwarp();
+    const int row = lane >> 3;
+    float sum = 0.f;
+    if (row < __popc(round)) {
+      const float4* src = reinterpret_cast<const float4*>(&r.score[row][16 * (lane & 7)]);
+      const float m = r.top[row];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float4 v = src[i];
+        sum += fast_exp2(v.x * c - m) + fast_exp2(v.y * c - m) + fast_exp2(v.z * c - m) + fast_exp2(v.w * c - m);
+      }
+    }
+    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+    sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+    if ((lane & 7) == 0 && row < __popc(round)) r.sum[row] = sum;
+    __syncwarp();
+    if (slot_a >= 0 && t == 0) mine = r.sum[slot_a];
+    if (slot_b >= 0 && t == 1) mine = r.sum[slot_b];
+    __syncwarp();  // the next round overwrites the slots
+  }
+  return mine;
+}
 
 // kLse: also the selected blocks' LSE (a.sel_lse); without it the lists hold no per-block LSE.
 template <bool kLse>
@@ -116,7 +212,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int wg_last = min(nq, kWarpRows * ((warp | 3) / a.Hi) + kWarpRows) - 1;
   const int wg_nblk = wg_first < nq ? (pos0 + wg_last) / kBlock + 1 : 0;
 
-  IndexerStorage& sm = shared_storage<IndexerStorage>(smem);
+  IndexerStorage<kLse>& sm = shared_storage<IndexerStorage<kLse>>(smem);
   const uint32_t keys = smem_addr(&sm.keys[0]), qs = smem_addr(&sm.query);
   auto full = [&](int s) { return smem_addr(&sm.full[s]); };
   auto empty = [&](int s) { return smem_addr(&sm.empty[s]); };
@@ -188,14 +284,25 @@ __global__ void __launch_bounds__(kThreads, 1)
       __syncwarp();
       if (lane == 0) mbar_arrive(empty(stage));  // S is in registers
       const int la = pa - j * kBlock, lb = pb - j * kBlock;  // last visible key of rows a, b
+      // Block maxima (NaN-propagating) of rows a, b over their visible keys. A block that the
+      // warp's first row already sees whole is seen whole by all 16: no per-key mask there.
       float ma = -INFINITY, mb = -INFINITY;
+      const bool whole = pos0 + wq0 >= j * kBlock + kBlock - 1;
+      if (whole) {
 #pragma unroll
-      for (int nt = 0; nt < kNFrags; ++nt) {
+        for (int nt = 0; nt < kNFrags; ++nt) {
+          ma = max_nan(ma, max_nan(s[nt][0], s[nt][1]));
+          mb = max_nan(mb, max_nan(s[nt][2], s[nt][3]));
+        }
+      } else {
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int c = nt * 8 + 2 * t + e;
-          if (c <= la) ma = max_nan(ma, s[nt][e]);
-          if (c <= lb) mb = max_nan(mb, s[nt][2 + e]);
+        for (int nt = 0; nt < kNFrags; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int c = nt * 8 + 2 * t + e;
+            if (c <= la) ma = max_nan(ma, s[nt][e]);
+            if (c <= lb) mb = max_nan(mb, s[nt][2 + e]);
+          }
         }
       }
       ma = max_nan(ma, __shfl_xor_sync(0xffffffffu, ma, 1));
@@ -208,28 +315,33 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float score = a.scale * own_m;
       const bool forced = all_visible || j < init_end || j >= local_begin;
       const bool candidate = visible && !forced && slots > 0 && score == score && (count < slots || score > threshold);
-      const bool need = want_lse && visible && (forced || candidate);
-      const int quad = lane & ~3;
-      const bool need_a = __shfl_sync(0xffffffffu, need, quad);
-      const bool need_b = __shfl_sync(0xffffffffu, need, quad + 1);
       float block_lse = 0.f;
-      if (__any_sync(0xffffffffu, need_a || need_b)) {
-        const float ta = ma * a.lse_scale_log2, tb = mb * a.lse_scale_log2;
-        float sa = 0.f, sb = 0.f;
-        const bool fa = need_a && isfinite(ta), fb = need_b && isfinite(tb);
-#pragma unroll
-        for (int nt = 0; nt < kNFrags; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int c = nt * 8 + 2 * t + e;
-            if (fa && c <= la) sa += exp2f(s[nt][e] * a.lse_scale_log2 - ta);
-            if (fb && c <= lb) sb += exp2f(s[nt][2 + e] * a.lse_scale_log2 - tb);
-          }
+      if constexpr (want_lse) {
+        // The block's LSE, only for rows that keep it (forced, or entering the list). A few
+        // such rows (<= kLseSlots) are gathered into shared memory and summed by all 32 lanes;
+        // more are summed where they are, rows a and b apart (a row needs its quad's lanes).
+        const bool need = visible && (forced || candidate);
+        const float top = ((t & 1) ? mb : ma) * a.lse_scale_log2;
+        const uint32_t wanted = __ballot_sync(0xffffffffu, need && t < 2 && isfinite(top));
+        float sum = 0.f;
+        if (wanted != 0 && __popc(wanted) <= kLseSlots) {
+          sum = gathered_sum_exp(sm.lse[warp], wanted, s, whole ? kBlock : la + 1, whole ? kBlock : lb + 1, top,
+                                 a.lse_scale_log2, lane);
+        } else if (wanted != 0) {
+          const int quad = lane & ~3;
+          const float ta = __shfl_sync(0xffffffffu, top, quad), tb = __shfl_sync(0xffffffffu, top, quad + 1);
+          const bool fa = (wanted >> quad) & 1, fb = (wanted >> (quad + 1)) & 1;
+          float sa = 0.f, sb = 0.f;
+          const float c = a.lse_scale_log2;
+          if (__any_sync(0xffffffffu, fa))
+            sa = warp_sum4(whole ? quad_sum_exp<0, true>(s, fa, kBlock, ta, c, t)
+                                 : quad_sum_exp<0, false>(s, fa, la + 1, ta, c, t));
+          if (__any_sync(0xffffffffu, fb))
+            sb = warp_sum4(whole ? quad_sum_exp<2, true>(s, fb, kBlock, tb, c, t)
+                                 : quad_sum_exp<2, false>(s, fb, lb + 1, tb, c, t));
+          sum = (t & 1) ? sb : sa;
         }
-        sa = warp_sum4(sa);
-        sb = warp_sum4(sb);
-        const float top = (t & 1) ? tb : ta, sum = (t & 1) ? sb : sa;
-        block_lse = isfinite(top) ? (top + __log2f(sum)) * math::kLn2 : top * math::kLn2;
+        if (need) block_lse = isfinite(top) ? (top + __log2f(sum)) * math::kLn2 : top * math::kLn2;
       }
       if (visible && forced && want_lse) lse_acc.add(block_lse);
       if (candidate) {
@@ -316,7 +428,8 @@ void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBloc
                    [&](int x, int y) { return L.document(x).k_len > L.document(y).k_len; });
   const bool lse = a.sel_lse != nullptr;
   const auto kernel = lse ? select_blocks_kernel<true> : select_blocks_kernel<false>;
-  MSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  const int smem_bytes = lse ? kSmemBytes<true> : kSmemBytes<false>;
+  MSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   // A launch has queries, hence keys: the map is needed (and valid) only when index_k has rows.
   const CUtensorMap k_map =
       p.index_k.shape[0] > 0 ? bf16_row_tile_map(a.ik, p.index_k.shape[0], kBlock, "index_k") : CUtensorMap{};
@@ -325,7 +438,7 @@ void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBloc
     if (docs.count == 0) return;
     const int tiles = docs.tile_begin[docs.count];
     if (tiles > 0) {
-      kernel<<<tiles, kThreads, kSmemBytes, s>>>(a, docs, k_map);
+      kernel<<<tiles, kThreads, smem_bytes, s>>>(a, docs, k_map);
       MSA_CUDA_CHECK_LAUNCH("select_blocks_kernel");
     }
     docs = IndexerDocs{};
