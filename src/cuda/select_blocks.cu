@@ -10,7 +10,8 @@
 // each consumer warpgroup multiplies a block as soon as it has landed and its warps hand the
 // stage back through an `empty` mbarrier once S is in registers: no CTA-wide barrier in the
 // block loop, so one warpgroup's list updates overlap the others' products and the loads run
-// ahead. In every quad of lanes, lane 0 owns the list of row g and lane 1 the list of row g + 8.
+// ahead. A warpgroup issues the next block's product as soon as it has read S out (maxima,
+// and the scores of rows that need the block's LSE), so its own list updates overlap it too. In every quad of lanes, lane 0 owns the list of row g and lane 1 the list of row g + 8.
 //
 // Selection (as the CPU backend): with nvis <= 16 visible blocks all of them ascending;
 // else the init blocks ascending, the best slots = 16 - init - local blocks of the rest by
@@ -117,68 +118,64 @@ __device__ __forceinline__ float quad_sum_exp(const float (&s)[kNFrags][4], bool
   return sum;
 }
 
-// gathered_sum_exp: the rows of `wanted` (bit 4q: row a of quad q, bit 4q + 1: its row b;
-// lanes 4q, 4q + 1 own them and get the sum; `top` is the owner's block max times c) go
-// through `r` kLseSlots at a time: the quad stores its 4 x 32 scores of the row (keys at or
-// past `visible_a` / `visible_b` as -inf), then 8 lanes sum a row. The summation order is
-// not quad_sum_exp's; the LSE's tolerance allows it.
-__device__ __forceinline__ float gathered_sum_exp(LseRounds& r, uint32_t wanted, const float (&s)[kNFrags][4],
-                                               int visible_a, int visible_b, float top, float c, int lane) {
-  const int t = lane & 3, bit_a = lane & ~3, bit_b = bit_a + 1;
-  float mine = 0.f;
-  for (uint32_t pending = wanted; pending != 0;) {  // warp-uniform
-    uint32_t round = 0;
+// gather_rows + sum_gathered_rows: the <= kLseSlots rows of `wanted` (bit 4q: row a of quad q,
+// bit 4q + 1: its row b; lanes 4q, 4q + 1 own them and get the sum; `top` is the owner's block
+// max times c): each row's quad stores its 4 x 32 scores (keys at or past `visible_a` /
+// `visible_b` as -inf) into a slot, which frees S for the next block's product; then 8 lanes
+// sum a row. The summation order is not quad_sum_exp's; the LSE's tolerance allows it.
+// One row's 32 scores of this lane (E = 0: row a, 2: row b) into its slot, keys at or past
+// `visible` as -inf.
+template <int E>
+__device__ __forceinline__ void store_gathered_row(LseRounds& r, int slot, const float (&s)[kNFrags][4], int visible,
+                                                   int t) {
+  float4* dst = reinterpret_cast<float4*>(&r.score[slot][32 * t]);
 #pragma unroll
-    for (int i = 0; i < kLseSlots; ++i) {
-      const uint32_t low = pending & (0u - pending);
-      round |= low;
-      pending ^= low;
-    }
-    const int slot_a = (round >> bit_a) & 1 ? __popc(round & ((1u << bit_a) - 1)) : -1;
-    const int slot_b = (round >> bit_b) & 1 ? __popc(round & ((1u << bit_b) - 1)) : -1;
-    if (slot_a >= 0) {
-      float4* dst = reinterpret_cast<float4*>(&r.score[slot_a][32 * t]);
-#pragma unroll
-      for (int nt = 0; nt < kNFrags; nt += 2) {
-        const int c0 = nt * 8 + 2 * t;
-        dst[nt / 2] = make_float4(c0 < visible_a ? s[nt][0] : -INFINITY, c0 + 1 < visible_a ? s[nt][1] : -INFINITY,
-                                  c0 + 8 < visible_a ? s[nt + 1][0] : -INFINITY,
-                                  c0 + 9 < visible_a ? s[nt + 1][1] : -INFINITY);
-      }
-      if (t == 0) r.top[slot_a] = top;
-    }
-    if (slot_b >= 0) {
-      float4* dst = reinterpret_cast<float4*>(&r.score[slot_b][32 * t]);
-#pragma unroll
-      for (int nt = 0; nt < kNFrags; nt += 2) {
-        const int c0 = nt * 8 + 2 * t;
-        dst[nt / 2] = make_float4(c0 < visible_b ? s[nt][2] : -INFINITY, c0 + 1 < visible_b ? s[nt][3] : -INFINITY,
-                                  c0 + 8 < visible_b ? s[nt + 1][2] : -INFINITY,
-                                  c0 + 9 < visible_b ? s[nt + 1][3] : -INFINITY);
-      }
-      if (t == 1) r.top[slot_b] = top;
-    }
-    __syncwarp();
-    const int row = lane >> 3;
-    float sum = 0.f;
-    if (row < __popc(round)) {
-      const float4* src = reinterpret_cast<const float4*>(&r.score[row][16 * (lane & 7)]);
-      const float m = r.top[row];
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float4 v = src[i];
-        sum += fast_exp2(v.x * c - m) + fast_exp2(v.y * c - m) + fast_exp2(v.z * c - m) + fast_exp2(v.w * c - m);
-      }
-    }
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 4);
-    if ((lane & 7) == 0 && row < __popc(round)) r.sum[row] = sum;
-    __syncwarp();
-    if (slot_a >= 0 && t == 0) mine = r.sum[slot_a];
-    if (slot_b >= 0 && t == 1) mine = r.sum[slot_b];
-    __syncwarp();  // the next round overwrites the slots
+  for (int nt = 0; nt < kNFrags; nt += 2) {
+    const int c0 = nt * 8 + 2 * t;
+    dst[nt / 2] = make_float4(c0 < visible ? s[nt][E] : -INFINITY, c0 + 1 < visible ? s[nt][E + 1] : -INFINITY,
+                              c0 + 8 < visible ? s[nt + 1][E] : -INFINITY,
+                              c0 + 9 < visible ? s[nt + 1][E + 1] : -INFINITY);
   }
+}
+__device__ __forceinline__ void gather_rows(LseRounds& r, uint32_t wanted, const float (&s)[kNFrags][4], int visible_a,
+                                            int visible_b, float top, int lane) {
+  const int t = lane & 3, bit_a = lane & ~3, bit_b = bit_a + 1;
+  const int slot_a = (wanted >> bit_a) & 1 ? __popc(wanted & ((1u << bit_a) - 1)) : -1;
+  const int slot_b = (wanted >> bit_b) & 1 ? __popc(wanted & ((1u << bit_b) - 1)) : -1;
+  if (slot_a >= 0) {
+    store_gathered_row<0>(r, slot_a, s, visible_a, t);
+    if (t == 0) r.top[slot_a] = top;
+  }
+  if (slot_b >= 0) {
+    store_gathered_row<2>(r, slot_b, s, visible_b, t);
+    if (t == 1) r.top[slot_b] = top;
+  }
+}
+__device__ __forceinline__ float sum_gathered_rows(LseRounds& r, uint32_t wanted, float c, int lane) {
+  const int t = lane & 3, bit_a = lane & ~3, bit_b = bit_a + 1;
+  const int slot_a = (wanted >> bit_a) & 1 ? __popc(wanted & ((1u << bit_a) - 1)) : -1;
+  const int slot_b = (wanted >> bit_b) & 1 ? __popc(wanted & ((1u << bit_b) - 1)) : -1;
+  __syncwarp();
+  const int row = lane >> 3;
+  float sum = 0.f;
+  if (row < __popc(wanted)) {
+    const float4* src = reinterpret_cast<const float4*>(&r.score[row][16 * (lane & 7)]);
+    const float m = r.top[row];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float4 v = src[i];
+      sum += fast_exp2(v.x * c - m) + fast_exp2(v.y * c - m) + fast_exp2(v.z * c - m) + fast_exp2(v.w * c - m);
+    }
+  }
+  sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+  sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+  sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+  if ((lane & 7) == 0 && row < __popc(wanted)) r.sum[row] = sum;
+  __syncwarp();
+  float mine = 0.f;
+  if (slot_a >= 0 && t == 0) mine = r.sum[slot_a];
+  if (slot_b >= 0 && t == 1) mine = r.sum[slot_b];
+  __syncwarp();  // the next block's rows overwrite the slots
   return mine;
 }
 
@@ -210,7 +207,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   // Blocks the warpgroup computes (wgmma is collective): up to its last query's local block.
   const int wg_first = kWarpRows * ((warp & ~3) / a.Hi);
   const int wg_last = min(nq, kWarpRows * ((warp | 3) / a.Hi) + kWarpRows) - 1;
-  const int wg_nblk = wg_first < nq ? (pos0 + wg_last) / kBlock + 1 : 0;
+  // (Broadcast from lane 0: the compiler then knows it is warp-uniform, and keeps the wgmma
+  // in flight across the loop's branches on it.)
+  const int wg_nblk = __shfl_sync(0xffffffffu, wg_first < nq ? (pos0 + wg_last) / kBlock + 1 : 0, 0);
 
   IndexerStorage<kLse>& sm = shared_storage<IndexerStorage<kLse>>(smem);
   const uint32_t keys = smem_addr(&sm.keys[0]), qs = smem_addr(&sm.query);
@@ -270,17 +269,32 @@ __global__ void __launch_bounds__(kThreads, 1)
   LogSumExp lse_acc;  // of the selected blocks' LSEs (the IEEE rules of src/attention_state.h)
 
   const int pa = pos0 + wq0 + (lane >> 2), pb = pa + 8;
+  // S of block j + 1 goes to the tensor cores as soon as block j's scores have been read out of
+  // S (its maxima, and the rows that need its LSE gathered into shared memory): the list
+  // updates and the gathered exponentials of block j run beside the product of j + 1.
+  float s[kNFrags][4];
+  const uint32_t q_rows = qs;
+  auto issue_scores = [&](int jj) {
+    mbar_wait(full(jj % kStages), (jj / kStages) & 1);
+    const uint32_t k_tile = keys + uint32_t((jj % kStages) * kTileBytes);
+    wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk)
+      wgmma_m64n128k16(s, tile_desc(q_rows, kTileVectors, 64 * (warp >> 2), kk), tile_desc(k_tile, kBlock, 0, kk),
+                       kk > 0);
+    wgmma_commit();
+  };
+  if (wg_nblk > 0) issue_scores(0);
   for (int j = 0; j < nblocks; ++j) {
     // Every warp waits for every block (also one its warpgroup skips) before it hands the stage
     // back, so that its arrival counts in the stage's current use.
     const int stage = j % kStages;
-    mbar_wait(full(stage), (j / kStages) & 1);
     if (j >= wg_nblk) {
+      mbar_wait(full(stage), (j / kStages) & 1);
       __syncwarp();
       if (lane == 0) mbar_arrive(empty(stage));
     } else {
-      float s[kNFrags][4];
-      wgmma_rows_x128(s, qs, kTileVectors, 64 * (warp >> 2), keys + uint32_t(stage * kTileBytes), kBlock, 0);
+      wgmma_wait<0>();
       __syncwarp();
       if (lane == 0) mbar_arrive(empty(stage));  // S is in registers
       const int la = pa - j * kBlock, lb = pb - j * kBlock;  // last visible key of rows a, b
@@ -316,7 +330,9 @@ __global__ void __launch_bounds__(kThreads, 1)
       const bool forced = all_visible || j < init_end || j >= local_begin;
       const bool candidate = visible && !forced && slots > 0 && score == score && (count < slots || score > threshold);
       float block_lse = 0.f;
-      if constexpr (want_lse) {
+      if constexpr (!want_lse) {
+        if (j + 1 < wg_nblk) issue_scores(j + 1);  // S is free (warpgroup-uniform)
+      } else {
         // The block's LSE, only for rows that keep it (forced, or entering the list). A few
         // such rows (<= kLseSlots) are gathered into shared memory and summed by all 32 lanes;
         // more are summed where they are, rows a and b apart (a row needs its quad's lanes).
@@ -324,9 +340,9 @@ __global__ void __launch_bounds__(kThreads, 1)
         const float top = ((t & 1) ? mb : ma) * a.lse_scale_log2;
         const uint32_t wanted = __ballot_sync(0xffffffffu, need && t < 2 && isfinite(top));
         float sum = 0.f;
-        if (wanted != 0 && __popc(wanted) <= kLseSlots) {
-          sum = gathered_sum_exp(sm.lse[warp], wanted, s, whole ? kBlock : la + 1, whole ? kBlock : lb + 1, top,
-                                 a.lse_scale_log2, lane);
+        const bool gathered = wanted != 0 && __popc(wanted) <= kLseSlots;
+        if (gathered) {
+          gather_rows(sm.lse[warp], wanted, s, whole ? kBlock : la + 1, whole ? kBlock : lb + 1, top, lane);
         } else if (wanted != 0) {
           const int quad = lane & ~3;
           const float ta = __shfl_sync(0xffffffffu, top, quad), tb = __shfl_sync(0xffffffffu, top, quad + 1);
@@ -341,6 +357,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                                  : quad_sum_exp<2, false>(s, fb, lb + 1, tb, c, t));
           sum = (t & 1) ? sb : sa;
         }
+        if (j + 1 < wg_nblk) issue_scores(j + 1);  // S is free (warpgroup-uniform)
+        if (gathered) sum = sum_gathered_rows(sm.lse[warp], wanted, a.lse_scale_log2, lane);
         if (need) block_lse = isfinite(top) ? (top + __log2f(sum)) * math::kLn2 : top * math::kLn2;
       }
       if (visible && forced && want_lse) lse_acc.add(block_lse);
