@@ -11,7 +11,8 @@
 // stage back through an `empty` mbarrier once S is in registers: no CTA-wide barrier in the
 // block loop, so one warpgroup's list updates overlap the others' products and the loads run
 // ahead. A warpgroup issues the next block's product as soon as it has read S out (maxima,
-// and the scores of rows that need the block's LSE), so its own list updates overlap it too. In every quad of lanes, lane 0 owns the list of row g and lane 1 the list of row g + 8.
+// and the scores of rows that need the block's LSE), so its own list updates overlap it too.
+// In every quad of lanes, lane 0 owns the list of row g and lane 1 the list of row g + 8.
 //
 // Selection (as the CPU backend): with nvis <= 16 visible blocks all of them ascending;
 // else the init blocks ascending, the best slots = 16 - init - local blocks of the rest by
@@ -59,7 +60,7 @@ static_assert(kWarps * kWarpRows == kTileVectors, "16 rows a warp");
 struct alignas(1024) KeyTile {
   unsigned char bytes[kTileBytes];
 };
-constexpr int kLseSlots = 4;  // rows of a warp whose block LSE is summed together (a round)
+constexpr int kLseSlots = 4;  // rows of a warp whose block LSEs are gathered, at most
 struct LseRounds {
   float score[kLseSlots][kBlock];  // a row's masked scores (any order: they are summed)
   float top[kLseSlots];            // its block max, scaled (log2 units)
@@ -118,11 +119,6 @@ __device__ __forceinline__ float quad_sum_exp(const float (&s)[kNFrags][4], bool
   return sum;
 }
 
-// gather_rows + sum_gathered_rows: the <= kLseSlots rows of `wanted` (bit 4q: row a of quad q,
-// bit 4q + 1: its row b; lanes 4q, 4q + 1 own them and get the sum; `top` is the owner's block
-// max times c): each row's quad stores its 4 x 32 scores (keys at or past `visible_a` /
-// `visible_b` as -inf) into a slot, which frees S for the next block's product; then 8 lanes
-// sum a row. The summation order is not quad_sum_exp's; the LSE's tolerance allows it.
 // One row's 32 scores of this lane (E = 0: row a, 2: row b) into its slot, keys at or past
 // `visible` as -inf.
 template <int E>
@@ -137,6 +133,11 @@ __device__ __forceinline__ void store_gathered_row(LseRounds& r, int slot, const
                               c0 + 9 < visible ? s[nt + 1][E + 1] : -INFINITY);
   }
 }
+// gather_rows + sum_gathered_rows: the <= kLseSlots rows of `wanted` (bit 4q: row a of quad q,
+// bit 4q + 1: its row b; lanes 4q, 4q + 1 own them and get the sum; `top` is the owner's block
+// max times c): each row's quad stores its 4 x 32 scores (keys at or past `visible_a` /
+// `visible_b` as -inf) into a slot, which frees S for the next block's product; then 8 lanes
+// sum a row. The summation order is not quad_sum_exp's; the LSE's tolerance allows it.
 __device__ __forceinline__ void gather_rows(LseRounds& r, uint32_t wanted, const float (&s)[kNFrags][4], int visible_a,
                                             int visible_b, float top, int lane) {
   const int t = lane & 3, bit_a = lane & ~3, bit_b = bit_a + 1;
@@ -273,14 +274,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   // S (its maxima, and the rows that need its LSE gathered into shared memory): the list
   // updates and the gathered exponentials of block j run beside the product of j + 1.
   float s[kNFrags][4];
-  const uint32_t q_rows = qs;
   auto issue_scores = [&](int jj) {
     mbar_wait(full(jj % kStages), (jj / kStages) & 1);
     const uint32_t k_tile = keys + uint32_t((jj % kStages) * kTileBytes);
     wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < 8; ++kk)
-      wgmma_m64n128k16(s, tile_desc(q_rows, kTileVectors, 64 * (warp >> 2), kk), tile_desc(k_tile, kBlock, 0, kk),
+      wgmma_m64n128k16(s, tile_desc(qs, kTileVectors, 64 * (warp >> 2), kk), tile_desc(k_tile, kBlock, 0, kk),
                        kk > 0);
     wgmma_commit();
   };
