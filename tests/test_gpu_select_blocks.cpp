@@ -101,6 +101,20 @@ TEST(GpuIndexer, RealShapes) {
   }
 }
 
+TEST(GpuIndexer, ManyDocumentsSpanLaunchBatches) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  // More documents than one launch takes (the indexer's and the selected LSE's batches), of
+  // lengths from 1 token to a few blocks, some with a cached prefix.
+  std::vector<int64_t> q, k;
+  for (int i = 0; i < 400; ++i) {
+    const int64_t len = 1 + int64_t(rng() % 300);
+    q.push_back(len);
+    k.push_back(i % 3 == 0 ? len + int64_t(rng() % 2000) : len);
+  }
+  check_indexer(rng, Topology(), layout_of(q, k));
+}
+
 TEST(GpuIndexer, TensorParallelTopologiesAndTemperature) {
   MSA_REQUIRE_GPU();
   MSA_SEEDED_RNG(rng);

@@ -2,16 +2,18 @@
 // top list per (query, index head) kept in registers while the key blocks stream past; no
 // [T, blocks] score buffer exists.
 //
-// A CTA owns a tile of 192 (query, head) vectors: 192 / Hi consecutive queries of one
+// A CTA owns a tile of 256 (query, head) vectors: 256 / Hi consecutive queries of one
 // document x Hi index heads (a key block crosses from L2 once per tile); consumer warp w
 // holds 16 consecutive queries of head w % Hi as the rows of its m16 MMA tiles (its
-// warpgroup's 64 rows are one wgmma; three consumer warpgroups). One thread of a
+// warpgroup's 64 rows are one wgmma; four consumer warpgroups). One thread of a
 // producer warpgroup brings the document's key blocks by TMA into a ring of kStages stages;
 // each consumer warpgroup multiplies a block as soon as it has landed and its warps hand the
 // stage back through an `empty` mbarrier once S is in registers: no CTA-wide barrier in the
 // block loop, so one warpgroup's list updates overlap the others' products and the loads run
-// ahead. A warpgroup issues the next block's product as soon as it has read S out (maxima,
-// and the scores of rows that need the block's LSE), so its own list updates overlap it too.
+// ahead. A warpgroup issues the next block's product as soon as it has read S out (its block
+// maxima), so its own list updates overlap it too. The selected LSE is computed afterwards
+// from the selection (selected_lse.cu): inside the loop it would be spent on every block that
+// enters a list, ~5x the blocks finally kept at 128k.
 // In every quad of lanes, lane 0 owns the list of row g and lane 1 the list of row g + 8.
 //
 // Selection (as the CPU backend): with nvis <= 16 visible blocks all of them ascending;
@@ -27,6 +29,7 @@
 #include "cuda/common.cuh"
 #include "cuda/device.cuh"
 #include "cuda/named_barriers.cuh"
+#include "cuda/selected_lse.h"
 #include "cuda/tensor_map.h"
 #include "cuda/wgmma.cuh"
 
@@ -36,18 +39,18 @@ namespace {
 constexpr int kBlock = model::kBlockSize;  // keys of a block: rows of a key tile
 constexpr int kDim = model::kHeadDim;      // index head dim: columns of the query and key tiles
 constexpr int kTopk = model::kTopk;
-constexpr int kTileVectors = 192;  // (query, index head) vectors of a CTA: three m64 warpgroup tiles
+constexpr int kTileVectors = 256;  // (query, index head) vectors of a CTA: four m64 warpgroup tiles
 constexpr int kWarpRows = 16;      // rows of a warp's m16 MMA tiles (consecutive queries of one head)
 constexpr int kNFrags = kBlock / 8;  // n8 accumulator fragments across a key block
 constexpr int kWarps = kTileVectors / 16;   // consumer warps (16 vectors each)
 constexpr int kThreads = (kWarps + 4) * 32;  // and a producer warpgroup (one thread issues)
 // setmaxnreg: the producers give their registers to the consumers (the launch's share,
-// 65536 / 512 in steps of 8, is the CTA's pool; the consumers need more than it). Three
-// consumer warpgroups at 160 registers keep S, the lists and the selected-LSE path without
-// spills; four at 112 spilled 30 bytes (340 with the LSE) and were slower with the LSE
-// (docs/performance.md run 30).
+// 65536 / 640 in steps of 8, is the CTA's pool; the consumers need more than it). Four
+// consumer warpgroups at 112 registers spill 20 bytes (the list) and beat three at 160 without
+// spills from 16k tokens on (128k: 13.4 against 14.6 ms; 4k: 0.082 against 0.068 ms;
+// docs/performance.md run 31).
 constexpr int kProducerRegs = 24;
-constexpr int kConsumerRegs = 160;
+constexpr int kConsumerRegs = 112;
 static_assert(kProducerRegs * 128 + kConsumerRegs * 32 * kWarps <= 65536 / kThreads / 8 * 8 * kThreads);
 constexpr int kStages = 4;                   // key blocks in flight
 constexpr int kTileBytes = kBlock * kDim * 2;  // a bf16 key tile
@@ -56,17 +59,9 @@ static_assert(kWarps * kWarpRows == kTileVectors, "16 rows a warp");
 // Shared memory: the key ring and the query tile (swizzled, device.cuh's tile layout);
 //   full[s]   the TMA bytes of stage s have landed (1 arrival + bytes)
 //   empty[s]  every consumer warp is done with stage s (kWarps arrivals)
-// and, with the selected LSE (kLse), each consumer warp's rows that need a block's LSE.
 struct alignas(1024) KeyTile {
   unsigned char bytes[kTileBytes];
 };
-constexpr int kLseSlots = 4;  // rows of a warp whose block LSEs are gathered, at most
-struct LseRounds {
-  float score[kLseSlots][kBlock];  // a row's masked scores (any order: they are summed)
-  float top[kLseSlots];            // its block max, scaled (log2 units)
-  float sum[kLseSlots];            // its sum of 2^(score - top)
-};
-template <bool kLse>
 struct IndexerStorage {
   KeyTile keys[kStages];
   struct alignas(1024) {
@@ -74,10 +69,8 @@ struct IndexerStorage {
   } query;
   uint64_t full[kStages];
   uint64_t empty[kStages];
-  LseRounds lse[kLse ? kWarps : 1];
 };
-template <bool kLse>
-constexpr int kSmemBytes = storage_smem_bytes<IndexerStorage<kLse>>();
+constexpr int kSmemBytes = storage_smem_bytes<IndexerStorage>();
 constexpr int kMaxDocs = 320;  // documents per launch (kernel parameter space)
 constexpr int kList = kTopk - 1;  // ranked history slots at most (local >= 1)
 
@@ -91,97 +84,13 @@ struct IndexerArgs {
   const __nv_bfloat16* iq;  // [Tq, Hi, 128]
   const __nv_bfloat16* ik;  // [Tk, 1, 128]
   int32_t* topk;            // [Hi, Tq, 16 = kTopk]
-  float* sel_lse;           // [Hi, Tq] or null
   int64_t total_q;
   int Hi;
   int tile_queries;  // kTileVectors / Hi
   int init_blocks, local_blocks;
-  float scale;           // index score = scale * <qi, ki>
-  float lse_scale_log2;  // scale / temperature * log2(e)
+  float scale;  // index score = scale * <qi, ki>
 };
 
-// Block sums of 2^(score * c - top) over the visible keys (the first `visible` of the block)
-// of the rows that need a block LSE. The row's maximum term is 2^0 = 1, so terms that
-// fast_exp2 flushes to zero (below 2^-126) would not change the sum.
-//
-// quad_sum_exp: this lane's share of row a (E = 0) or b (E = 2) of its quad, where `on`.
-template <int E, bool kWhole>
-__device__ __forceinline__ float quad_sum_exp(const float (&s)[kNFrags][4], bool on, int visible, float top, float c,
-                                              int t) {
-  float sum = 0.f;
-  if (on) {
-#pragma unroll
-    for (int nt = 0; nt < kNFrags; ++nt)
-#pragma unroll
-      for (int e = 0; e < 2; ++e)
-        if (kWhole || nt * 8 + 2 * t + e < visible) sum += fast_exp2(s[nt][E + e] * c - top);
-  }
-  return sum;
-}
-
-// One row's 32 scores of this lane (E = 0: row a, 2: row b) into its slot, keys at or past
-// `visible` as -inf.
-template <int E>
-__device__ __forceinline__ void store_gathered_row(LseRounds& r, int slot, const float (&s)[kNFrags][4], int visible,
-                                                   int t) {
-  float4* dst = reinterpret_cast<float4*>(&r.score[slot][32 * t]);
-#pragma unroll
-  for (int nt = 0; nt < kNFrags; nt += 2) {
-    const int c0 = nt * 8 + 2 * t;
-    dst[nt / 2] = make_float4(c0 < visible ? s[nt][E] : -INFINITY, c0 + 1 < visible ? s[nt][E + 1] : -INFINITY,
-                              c0 + 8 < visible ? s[nt + 1][E] : -INFINITY,
-                              c0 + 9 < visible ? s[nt + 1][E + 1] : -INFINITY);
-  }
-}
-// gather_rows + sum_gathered_rows: the <= kLseSlots rows of `wanted` (bit 4q: row a of quad q,
-// bit 4q + 1: its row b; lanes 4q, 4q + 1 own them and get the sum; `top` is the owner's block
-// max times c): each row's quad stores its 4 x 32 scores (keys at or past `visible_a` /
-// `visible_b` as -inf) into a slot, which frees S for the next block's product; then 8 lanes
-// sum a row. The summation order is not quad_sum_exp's; the LSE's tolerance allows it.
-__device__ __forceinline__ void gather_rows(LseRounds& r, uint32_t wanted, const float (&s)[kNFrags][4], int visible_a,
-                                            int visible_b, float top, int lane) {
-  const int t = lane & 3, bit_a = lane & ~3, bit_b = bit_a + 1;
-  const int slot_a = (wanted >> bit_a) & 1 ? __popc(wanted & ((1u << bit_a) - 1)) : -1;
-  const int slot_b = (wanted >> bit_b) & 1 ? __popc(wanted & ((1u << bit_b) - 1)) : -1;
-  if (slot_a >= 0) {
-    store_gathered_row<0>(r, slot_a, s, visible_a, t);
-    if (t == 0) r.top[slot_a] = top;
-  }
-  if (slot_b >= 0) {
-    store_gathered_row<2>(r, slot_b, s, visible_b, t);
-    if (t == 1) r.top[slot_b] = top;
-  }
-}
-__device__ __forceinline__ float sum_gathered_rows(LseRounds& r, uint32_t wanted, float c, int lane) {
-  const int t = lane & 3, bit_a = lane & ~3, bit_b = bit_a + 1;
-  const int slot_a = (wanted >> bit_a) & 1 ? __popc(wanted & ((1u << bit_a) - 1)) : -1;
-  const int slot_b = (wanted >> bit_b) & 1 ? __popc(wanted & ((1u << bit_b) - 1)) : -1;
-  __syncwarp();
-  const int row = lane >> 3;
-  float sum = 0.f;
-  if (row < __popc(wanted)) {
-    const float4* src = reinterpret_cast<const float4*>(&r.score[row][16 * (lane & 7)]);
-    const float m = r.top[row];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float4 v = src[i];
-      sum += fast_exp2(v.x * c - m) + fast_exp2(v.y * c - m) + fast_exp2(v.z * c - m) + fast_exp2(v.w * c - m);
-    }
-  }
-  sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-  sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-  sum += __shfl_xor_sync(0xffffffffu, sum, 4);
-  if ((lane & 7) == 0 && row < __popc(wanted)) r.sum[row] = sum;
-  __syncwarp();
-  float mine = 0.f;
-  if (slot_a >= 0 && t == 0) mine = r.sum[slot_a];
-  if (slot_b >= 0 && t == 1) mine = r.sum[slot_b];
-  __syncwarp();  // the next block's rows overwrite the slots
-  return mine;
-}
-
-// kLse: also the selected blocks' LSE (a.sel_lse); without it the lists hold no per-block LSE.
-template <bool kLse>
 __global__ void __launch_bounds__(kThreads, 1)
     select_blocks_kernel(const IndexerArgs a, const IndexerDocs docs, const __grid_constant__ CUtensorMap k_map) {
   extern __shared__ __align__(128) unsigned char smem[];
@@ -212,7 +121,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // in flight across the loop's branches on it.)
   const int wg_nblk = __shfl_sync(0xffffffffu, wg_first < nq ? (pos0 + wg_last) / kBlock + 1 : 0, 0);
 
-  IndexerStorage<kLse>& sm = shared_storage<IndexerStorage<kLse>>(smem);
+  IndexerStorage& sm = shared_storage<IndexerStorage>(smem);
   const uint32_t keys = smem_addr(&sm.keys[0]), qs = smem_addr(&sm.query);
   auto full = [&](int s) { return smem_addr(&sm.full[s]); };
   auto empty = [&](int s) { return smem_addr(&sm.empty[s]); };
@@ -259,20 +168,17 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int local_begin = nvis - a.local_blocks;
   const int init_end = min(a.init_blocks, local_begin);
   const int slots = kTopk - init_end - a.local_blocks;
-  constexpr bool want_lse = kLse;
 
-  float sc[kList], bl[kList];
+  float sc[kList];
   int id[kList];
 #pragma unroll
-  for (int i = 0; i < kList; ++i) { sc[i] = -INFINITY; bl[i] = -INFINITY; id[i] = -1; }
+  for (int i = 0; i < kList; ++i) { sc[i] = -INFINITY; id[i] = -1; }
   int count = 0;
   float threshold = -INFINITY;  // score of the last ranked entry once the list is full
-  LogSumExp lse_acc;  // of the selected blocks' LSEs (the IEEE rules of src/attention_state.h)
 
   const int pa = pos0 + wq0 + (lane >> 2), pb = pa + 8;
-  // S of block j + 1 goes to the tensor cores as soon as block j's scores have been read out of
-  // S (its maxima, and the rows that need its LSE gathered into shared memory): the list
-  // updates and the gathered exponentials of block j run beside the product of j + 1.
+  // S of block j + 1 goes to the tensor cores as soon as block j's maxima have been read out of
+  // S: the list updates of block j run beside the product of j + 1.
   float s[kNFrags][4];
   auto issue_scores = [&](int jj) {
     mbar_wait(full(jj % kStages), (jj / kStages) & 1);
@@ -329,39 +235,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       const float score = a.scale * own_m;
       const bool forced = all_visible || j < init_end || j >= local_begin;
       const bool candidate = visible && !forced && slots > 0 && score == score && (count < slots || score > threshold);
-      float block_lse = 0.f;
-      if constexpr (!want_lse) {
-        if (j + 1 < wg_nblk) issue_scores(j + 1);  // S is free (warpgroup-uniform)
-      } else {
-        // The block's LSE, only for rows that keep it (forced, or entering the list). A few
-        // such rows (<= kLseSlots) are gathered into shared memory and summed by all 32 lanes;
-        // more are summed where they are, rows a and b apart (a row needs its quad's lanes).
-        const bool need = visible && (forced || candidate);
-        const float top = ((t & 1) ? mb : ma) * a.lse_scale_log2;
-        const uint32_t wanted = __ballot_sync(0xffffffffu, need && t < 2 && isfinite(top));
-        float sum = 0.f;
-        const bool gathered = wanted != 0 && __popc(wanted) <= kLseSlots;
-        if (gathered) {
-          gather_rows(sm.lse[warp], wanted, s, whole ? kBlock : la + 1, whole ? kBlock : lb + 1, top, lane);
-        } else if (wanted != 0) {
-          const int quad = lane & ~3;
-          const float ta = __shfl_sync(0xffffffffu, top, quad), tb = __shfl_sync(0xffffffffu, top, quad + 1);
-          const bool fa = (wanted >> quad) & 1, fb = (wanted >> (quad + 1)) & 1;
-          float sa = 0.f, sb = 0.f;
-          const float c = a.lse_scale_log2;
-          if (__any_sync(0xffffffffu, fa))
-            sa = warp_sum4(whole ? quad_sum_exp<0, true>(s, fa, kBlock, ta, c, t)
-                                 : quad_sum_exp<0, false>(s, fa, la + 1, ta, c, t));
-          if (__any_sync(0xffffffffu, fb))
-            sb = warp_sum4(whole ? quad_sum_exp<2, true>(s, fb, kBlock, tb, c, t)
-                                 : quad_sum_exp<2, false>(s, fb, lb + 1, tb, c, t));
-          sum = (t & 1) ? sb : sa;
-        }
-        if (j + 1 < wg_nblk) issue_scores(j + 1);  // S is free (warpgroup-uniform)
-        if (gathered) sum = sum_gathered_rows(sm.lse[warp], wanted, a.lse_scale_log2, lane);
-        if (need) block_lse = isfinite(top) ? (top + __log2f(sum)) * math::kLn2 : top * math::kLn2;
-      }
-      if (visible && forced && want_lse) lse_acc.add(block_lse);
+      if (j + 1 < wg_nblk) issue_scores(j + 1);  // S is free (warpgroup-uniform)
       if (candidate) {
         // Insert behind every entry with a score >= this one (ids arrive ascending).
         int pos = 0;
@@ -370,11 +244,11 @@ __global__ void __launch_bounds__(kThreads, 1)
         const int limit = min(count + 1, slots);
 #pragma unroll
         for (int i = kList - 1; i > 0; --i) {
-          if (i > pos && i < limit) { sc[i] = sc[i - 1]; id[i] = id[i - 1]; bl[i] = bl[i - 1]; }
+          if (i > pos && i < limit) { sc[i] = sc[i - 1]; id[i] = id[i - 1]; }
         }
 #pragma unroll
         for (int i = 0; i < kList; ++i) {
-          if (i == pos) { sc[i] = score; id[i] = j; bl[i] = block_lse; }
+          if (i == pos) { sc[i] = score; id[i] = j; }
         }
         count = limit;
         if (count == slots) {
@@ -412,12 +286,6 @@ __global__ void __launch_bounds__(kThreads, 1)
     int4* dst = reinterpret_cast<int4*>(a.topk + (int64_t(g) * a.total_q + row) * kTopk);
 #pragma unroll
     for (int i = 0; i < kTopk / 4; ++i) dst[i] = make_int4(out[4 * i], out[4 * i + 1], out[4 * i + 2], out[4 * i + 3]);
-    if (want_lse) {
-#pragma unroll
-      for (int i = 0; i < kList; ++i)
-        if (i < count) lse_acc.add(bl[i]);
-      a.sel_lse[int64_t(g) * a.total_q + row] = lse_acc.result();
-    }
   }
 }
 
@@ -430,23 +298,20 @@ void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBloc
   a.iq = p.index_q.as<const __nv_bfloat16>();
   a.ik = p.index_k.as<const __nv_bfloat16>();
   a.topk = p.topk.as<int32_t>();
-  a.sel_lse = p.selected_lse.present() ? p.selected_lse.as<float>() : nullptr;
   a.total_q = L.total_q();
   a.Hi = topo.num_index_heads;
   a.tile_queries = kTileVectors / a.Hi;
   a.init_blocks = topo.init_blocks;
   a.local_blocks = topo.local_blocks;
   a.scale = topo.indexer_scale();
-  a.lse_scale_log2 = topo.indexer_scale() / p.lse_temperature * math::kLog2e;
 
   // Longest documents first, so the heaviest tiles start early.
   std::vector<int> order(size_t(L.num_documents()));
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
                    [&](int x, int y) { return L.document(x).k_len > L.document(y).k_len; });
-  const bool lse = a.sel_lse != nullptr;
-  const auto kernel = lse ? select_blocks_kernel<true> : select_blocks_kernel<false>;
-  const int smem_bytes = lse ? kSmemBytes<true> : kSmemBytes<false>;
+  const auto kernel = select_blocks_kernel;
+  const int smem_bytes = kSmemBytes;
   MSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   // A launch has queries, hence keys: the map is needed (and valid) only when index_k has rows.
   const CUtensorMap k_map =
@@ -474,6 +339,7 @@ void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBloc
     docs.tile_begin[i + 1] = docs.tile_begin[i] + int32_t(tiles);
   }
   flush();
+  if (p.selected_lse.present()) selected_lse(topo, L, p, s);
 }
 
 }  // namespace msa::cuda
