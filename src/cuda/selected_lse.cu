@@ -248,23 +248,31 @@ __device__ __forceinline__ void row_block_lse(const LseArgs& a, const LseDocs& d
   const int64_t row = edge >> kSlotBits;
   const int pos = d.k_len[ch.di] - d.q_len[ch.di] + int(row - d.q_start[ch.di]);
   const int visible = on ? min(kBlock, pos - ch.j * kBlock + 1) : 0;
-  float m = -INFINITY;
+  // Keys at or past `visible` as -inf (they change neither the max nor the sum); maxima and
+  // sums in four independent chains, so that the SFU and FMA latencies overlap.
+  float x[kNFrags][2];
 #pragma unroll
   for (int nt = 0; nt < kNFrags; ++nt)
 #pragma unroll
-    for (int e = 0; e < 2; ++e)
-      if (nt * 8 + 2 * t + e < visible) m = max_nan(m, s[nt][E + e]);
+    for (int e = 0; e < 2; ++e) x[nt][e] = nt * 8 + 2 * t + e < visible ? s[nt][E + e] : -INFINITY;
+  float m4[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY};
+#pragma unroll
+  for (int nt = 0; nt < kNFrags; ++nt)
+#pragma unroll
+    for (int e = 0; e < 2; ++e) m4[(nt & 1) * 2 + e] = max_nan(m4[(nt & 1) * 2 + e], x[nt][e]);
+  float m = max_nan(max_nan(m4[0], m4[1]), max_nan(m4[2], m4[3]));
   m = max_nan(m, __shfl_xor_sync(0xffffffffu, m, 1));
   m = max_nan(m, __shfl_xor_sync(0xffffffffu, m, 2));
   // The block max (NaN-propagating) scaled; a non-finite one is the block's LSE as it is.
   const float c = a.lse_scale_log2, top = m * c;
   float sum = 0.f;
   if (isfinite(top)) {
+    float s4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
     for (int nt = 0; nt < kNFrags; ++nt)
 #pragma unroll
-      for (int e = 0; e < 2; ++e)
-        if (nt * 8 + 2 * t + e < visible) sum += fast_exp2(s[nt][E + e] * c - top);
+      for (int e = 0; e < 2; ++e) s4[(nt & 1) * 2 + e] += fast_exp2(x[nt][e] * c - top);
+    sum = (s4[0] + s4[1]) + (s4[2] + s4[3]);
   }
   sum = warp_sum4(sum);
   if (on && t == 0)
