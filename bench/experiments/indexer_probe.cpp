@@ -1,7 +1,7 @@
 // Training-indexer timing probe beside the product (not built by CMake): select_blocks through
 // the public C++ API on one document of T tokens (64 / 4 heads, random bf16 index q / k as
 // `msa bench --selection independent` draws them), with and without the selected blocks' LSE,
-// CUDA events, median of 5. docs/performance.md run 30.
+// CUDA events, median of 5. docs/performance.md runs 30 and 31.
 // Build against a CUDA build of msa, e.g.:
 //   nvcc -O2 -std=c++20 -Iinclude bench/experiments/indexer_probe.cpp build/src/libmsa.a
 //     -Xcompiler -fopenmp -lcuda -o indexer_probe

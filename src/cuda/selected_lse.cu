@@ -42,8 +42,8 @@ constexpr int kBucketRows = 256;  // rows (one index head, one document) of a bu
 constexpr int kWindow = 4096;     // key blocks a bucketing CTA counts in shared memory (512k
                                   // tokens); later ones go straight to the global counters
 
-// What the epilogue of a chunk needs, written with its gather: index head, document, key block
-// (bucket = the three together), edges in use, and the edges themselves.
+// What the epilogue of a chunk needs, written with its gather (its edges go to
+// LseStorage::edges): index head, document, key block (bucket = the three together), edges in use.
 struct ChunkInfo {
   int32_t bucket, g, di, j, n;
 };
