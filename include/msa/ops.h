@@ -37,7 +37,8 @@ struct SelectBlocksParams {
   TensorView index_k;       // [total_k, 1, Di] bf16 (one key head shared by all index heads)
   TensorView topk;          // out: [Hi, total_q, topk] int32
   TensorView selected_lse;  // optional out: [Hi, total_q] f32, natural-log LSE over the
-                            // selected causal keys of s / lse_temperature (s = index score)
+                            // selected causal keys of s / lse_temperature (s = index score);
+                            // on CUDA for total_q < 2^27 (else ErrorKind::unsupported)
   float lse_temperature = 1.0f;
 };
 void select_blocks(const Topology& topo, const PackedLayout& layout, const SelectBlocksParams& p,
