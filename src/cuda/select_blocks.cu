@@ -23,7 +23,6 @@
 #include <algorithm>
 #include <numeric>
 
-#include "attention_state.h"
 #include "backend.h"
 #include "msa/constants.h"
 #include "cuda/common.cuh"
@@ -310,9 +309,7 @@ void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBloc
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
                    [&](int x, int y) { return L.document(x).k_len > L.document(y).k_len; });
-  const auto kernel = select_blocks_kernel;
-  const int smem_bytes = kSmemBytes;
-  MSA_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
+  MSA_CUDA_CHECK(cudaFuncSetAttribute(select_blocks_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   // A launch has queries, hence keys: the map is needed (and valid) only when index_k has rows.
   const CUtensorMap k_map =
       p.index_k.shape[0] > 0 ? bf16_row_tile_map(a.ik, p.index_k.shape[0], kBlock, "index_k") : CUtensorMap{};
@@ -321,7 +318,7 @@ void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBloc
     if (docs.count == 0) return;
     const int tiles = docs.tile_begin[docs.count];
     if (tiles > 0) {
-      kernel<<<tiles, kThreads, smem_bytes, s>>>(a, docs, k_map);
+      select_blocks_kernel<<<tiles, kThreads, kSmemBytes, s>>>(a, docs, k_map);
       MSA_CUDA_CHECK_LAUNCH("select_blocks_kernel");
     }
     docs = IndexerDocs{};
