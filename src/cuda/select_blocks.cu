@@ -291,6 +291,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 }  // namespace
 
 void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBlocksParams& p, const RunOptions& opt) {
+  if (p.selected_lse.present()) check_selected_lse_size(L);  // before anything is written
   DeviceGuard guard(p.index_q.device.index);
   const cudaStream_t s = as_stream(opt);
   IndexerArgs a{};

@@ -382,6 +382,12 @@ __global__ void lse_combine_kernel(const LseArgs a, float* __restrict__ sel_lse)
 
 }  // namespace
 
+void check_selected_lse_size(const PackedLayout& L) {
+  if (L.total_q() >= (int64_t(1) << (31 - kSlotBits)))
+    throw Error(ErrorKind::unsupported, "select_blocks: selected_lse on CUDA supports total_q below 2^27, got " +
+                                            std::to_string(L.total_q()));
+}
+
 void selected_lse(const Topology& topo, const PackedLayout& L, const SelectBlocksParams& p, cudaStream_t s) {
   LseArgs a{};
   a.iq = p.index_q.as<const __nv_bfloat16>();
@@ -392,9 +398,6 @@ void selected_lse(const Topology& topo, const PackedLayout& L, const SelectBlock
   a.Hi = topo.num_index_heads;
   a.lse_scale_log2 = topo.indexer_scale() / p.lse_temperature * math::kLog2e;
   if (a.total_q == 0) return;
-  if (a.total_q >= (int64_t(1) << (31 - kSlotBits)))
-    throw Error(ErrorKind::unsupported, "select_blocks: selected_lse on CUDA supports total_q below 2^27, got " +
-                                            std::to_string(a.total_q));
 
   // Launch batches of documents, each with fewer than 2^30 edges and buckets (int32 offsets).
   std::vector<LseDocs> batches(1);
