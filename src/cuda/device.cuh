@@ -243,8 +243,14 @@ __device__ __forceinline__ void tma_prefetch_4d(const void* map, int c0, int c1,
                : "memory");
 }
 // Brings `bytes` (a multiple of 16, from a 16-byte aligned address) of global memory into L2.
+// One operation of the SM's TMA unit: its address is a uniform operand, so a warp whose lanes
+// give different addresses issues one operation per lane, one after the other.
 __device__ __forceinline__ void prefetch_l2_bulk(const void* src, uint32_t bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
+}
+// Brings the 128-byte line holding `src` into L2 (a per-thread load-store instruction).
+__device__ __forceinline__ void prefetch_l2_line(const void* src) {
+  asm volatile("prefetch.global.L2 [%0];\n" ::"l"(src));
 }
 __device__ __forceinline__ void tma_store_2d(const void* map, int c0, int c1, uint32_t src, uint64_t policy) {
   asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group.L2::cache_hint [%0, {%1, %2}], [%3], %4;\n" ::"l"(

@@ -157,16 +157,24 @@ __device__ __forceinline__ void widen_chunk(const RawChunk& raw, uint32_t (&out)
 
 // Brings the K and V rows of a key block (rows 0 .. nkeys - 1; NVFP4 block scales not
 // included) into L2, spread over the 32 lanes of a warp: the loads of load_key_block that
-// follow find them there instead of waiting on DRAM.
+// follow find them there instead of waiting on DRAM. A side whose rows are contiguous (a paged
+// cache's page of one head) is one bulk prefetch by lane 0; strided rows (packed K / V, whose
+// heads interleave) are prefetched line by line from every lane. Per-row bulk prefetches would
+// queue one TMA operation per row ahead of the Q tiles' loads.
 template <KvSourceKind Kind>
 __device__ __forceinline__ void prefetch_key_block(const KvSource& s, const KeyBlockRows& rows, int nkeys, int lane) {
-  const uint8_t* k = rows.k + lane * s.k_row;
-  const uint8_t* v = rows.v + lane * s.v_row;
+  constexpr int kRow = kSourceRowBytes<Kind>;
+  auto side = [&](const uint8_t* base, int64_t stride) {
+    if (stride == kRow) {
+      if (lane == 0) prefetch_l2_bulk(base, uint32_t(nkeys * kRow));
+      return;
+    }
+    constexpr int kLines = (kRow + 127) / 128;
 #pragma unroll 1
-  for (int r = lane; r < nkeys; r += 32, k += 32 * s.k_row, v += 32 * s.v_row) {
-    prefetch_l2_bulk(k, kSourceRowBytes<Kind>);
-    prefetch_l2_bulk(v, kSourceRowBytes<Kind>);
-  }
+    for (int i = lane; i < nkeys * kLines; i += 32) prefetch_l2_line(base + (i / kLines) * stride + (i % kLines) * 128);
+  };
+  side(rows.k, s.k_row);
+  side(rows.v, s.v_row);
 }
 
 // The widened value pair (dims d, d + 1; d even) of one stored row, for the rare per-value path.
