@@ -8,8 +8,11 @@
 //
 // The CTA is persistent (one per SM) and walks a contiguous share of the full items' tasks, so
 // consecutive tasks almost always read the same key block (the schedule lists the full items
-// of a (head, block) row one after another): K and V^T stay in shared memory until the block
-// changes. The partial items that follow are dealt out round robin (CtaTasks). A producer warpgroup reads the schedule and streams each task's Q rows through four
+// of a (head, block) row one after another): K and V stay in shared memory until the block
+// changes. bf16 sources land by TMA: the producer loads the K tile of the next block into a
+// second K tile while the consumers still work on the current one, the consumers have V
+// loaded when they switch blocks and wait for it only before P V (V is read MN-major, as it
+// is stored). Quantised sources are widened by the consumers when the block changes. The partial items that follow are dealt out round robin (CtaTasks). A producer warpgroup reads the schedule and streams each task's Q rows through four
 // shared-memory stages with TMA (mbarrier hand-off), so the two computing warpgroups
 // never wait on metadata loads; it gives most of its registers to them (setmaxnreg), which
 // lets each computing warpgroup issue S of the next task before the current task's epilogue.
@@ -18,8 +21,8 @@
 // cache (bf16, FP8, NVFP4) for paged prefill; the kernel is the same, the source its policy.
 //
 // Non-finite isolation: a key a row does not attend to never changes it. Masked scores are
-// set to -inf by selection; inf / NaN values in V are kept out of the shared V^T tile and
-// added back only to the rows that see their keys (load_key_block).
+// set to -inf by selection; inf / NaN values in V are kept out of the shared V tile and
+// added back only to the rows that see their keys (scrub_values, load_key_block).
 #include <cstddef>
 
 #include "attention_state.h"
@@ -60,7 +63,7 @@ constexpr int kBoxBytes = kTileRows * kBoxRowBytes;  // one 64-column half of a 
 constexpr int kTileBytes = 2 * kBoxBytes;
 constexpr int kRowBytes = kDim * 2;                 // one Q / K / V row in global memory
 constexpr int kRowChunks = kRowBytes / 16;          // 16-byte (8 bf16) chunks of a row
-static_assert(kBlock == kTileRows && kDim == kTileRows, "the K, V^T and S tiles are 128 x 128");
+static_assert(kBlock == kTileRows && kDim == kTileRows, "the K, V and S tiles are 128 x 128");
 static_assert(kQueriesPerTask * kGroup == kTileRows, "a Q stage holds the 16 head rows of 8 queries");
 static_assert(kDim * 2 == 2 * kBoxRowBytes, "a row is two 64-column boxes");
 // MMA fragment geometry (m64nNk16 wgmma, mma.sync C layout per warp).
@@ -81,9 +84,10 @@ struct alignas(16) QueryMeta {
   int32_t limit;    // last key of the block the query sees (>= kBlock - 1: all of them)
   int32_t head_kv;  // KV head of the task
 };
-// The key block of a task.
+// The key block of a task; `source` locates it for TMA: the packed row of its key 0, or its
+// physical page.
 struct alignas(16) TaskBlock {
-  int32_t head_kv, document, kv_block, unused;
+  int32_t head_kv, document, kv_block, source;
   __device__ bool same(const TaskBlock& o) const {
     return head_kv == o.head_kv && document == o.document && kv_block == o.kv_block;
   }
@@ -102,7 +106,7 @@ __device__ __forceinline__ QueryMeta load_meta(const QueryMeta* src) {
   return {v.x, v.y, v.z, v.w};
 }
 __device__ __forceinline__ void store_block(TaskBlock* dst, const TaskBlock& b) {
-  *reinterpret_cast<int4*>(dst) = make_int4(b.head_kv, b.document, b.kv_block, 0);
+  *reinterpret_cast<int4*>(dst) = make_int4(b.head_kv, b.document, b.kv_block, b.source);
 }
 __device__ __forceinline__ TaskBlock load_block(const TaskBlock* src) {
   const int4 v = *reinterpret_cast<const int4*>(src);
@@ -113,18 +117,23 @@ __device__ __forceinline__ TaskBlock load_block(const TaskBlock* src) {
 struct alignas(1024) Tile {
   unsigned char bytes[kTileBytes];
 };
+// Key block u (the u-th block change of the CTA's task walk, counted alike by producer and
+// consumers) has its K in tile u % 2.
 struct SharedStorage {
-  Tile k;                 // K of the resident key block (rows = keys)
-  Tile vt;                // V^T of the resident key block (rows = dims, columns = keys)
+  Tile k[2];              // K of the resident key block and of the next one (rows = keys)
+  Tile v;                 // V of the resident key block (rows = keys; P V reads it MN-major)
   Tile q[kQStages];       // Q rows of a task (query w: rows 16w..); reused for its outputs
   MetaStage meta[kQStages];
   uint64_t full[kQStages];   // mbarrier: stage s holds a task (the producers' TMA bytes landed)
   uint64_t empty[kQStages];  // mbarrier: the consumers are done with stage s
+  uint64_t k_full[2];        // mbarrier: K tile b landed (TMA sources)
+  uint64_t k_empty[2];       // mbarrier: the consumers are done with K tile b (TMA sources)
+  uint64_t v_full;           // mbarrier: the V tile landed (TMA sources)
   uint32_t nonfinite_keys[kBlock / 32];  // keys of the resident block with an inf / NaN value
   float key_scale[kBlock];    // FP8 per-token scales of the resident block's keys (K, V)
   float value_scale[kBlock];
 };
-static_assert(offsetof(SharedStorage, q) == 2 * kTileBytes && alignof(SharedStorage) == 1024);
+static_assert(offsetof(SharedStorage, q) == 3 * kTileBytes && alignof(SharedStorage) == 1024);
 static_assert(offsetof(SharedStorage, full) % 8 == 0 && sizeof(MetaStage) % 16 == 0);
 constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + slack to align the base
 static_assert(kSmemBytes <= 227 * 1024, "over the 227 KB of shared memory a CTA can have");
@@ -134,11 +143,14 @@ static_assert(kSmemBytes <= 227 * 1024, "over the 227 KB of shared memory a CTA 
 struct Smem {
   uint32_t base;
   SharedStorage* ptr;
-  __device__ uint32_t k() const { return base + uint32_t(offsetof(SharedStorage, k)); }
-  __device__ uint32_t vt() const { return base + uint32_t(offsetof(SharedStorage, vt)); }
+  __device__ uint32_t k(int b) const { return base + uint32_t(offsetof(SharedStorage, k)) + b * kTileBytes; }
+  __device__ uint32_t v() const { return base + uint32_t(offsetof(SharedStorage, v)); }
   __device__ uint32_t q(int stage) const { return base + uint32_t(offsetof(SharedStorage, q)) + stage * kTileBytes; }
   __device__ uint32_t full(int stage) const { return base + uint32_t(offsetof(SharedStorage, full)) + 8 * stage; }
   __device__ uint32_t empty(int stage) const { return base + uint32_t(offsetof(SharedStorage, empty)) + 8 * stage; }
+  __device__ uint32_t k_full(int b) const { return base + uint32_t(offsetof(SharedStorage, k_full)) + 8 * b; }
+  __device__ uint32_t k_empty(int b) const { return base + uint32_t(offsetof(SharedStorage, k_empty)) + 8 * b; }
+  __device__ uint32_t v_full() const { return base + uint32_t(offsetof(SharedStorage, v_full)); }
   __device__ MetaStage& meta(int stage) const { return ptr->meta[stage]; }
   __device__ uint32_t* nonfinite_keys() const { return ptr->nonfinite_keys; }
   __device__ float* key_scale() const { return ptr->key_scale; }
@@ -188,18 +200,24 @@ __device__ CtaTasks cta_tasks(const ForwardArgs& a) {
 // What producer warp pw needs about one task: its key block and, for each of its queries, the
 // packed row (-1: absent), partial slot and last visible key of the block.
 struct TaskMeta {
-  int g = 0, b = 0, j = 0;
+  int g = 0, b = 0, j = 0, src = 0;
   int row[kQueriesPerProducer], slot[kQueriesPerProducer], limit[kQueriesPerProducer];
 };
 
 // Reads the metadata of task `task` for producer warp pw (one lane per task: the loads of 32
-// tasks are in flight together, two dependent round trips per 32 tasks).
+// tasks are in flight together, two dependent round trips per 32 tasks). Warp 0, which loads
+// the key blocks, also locates the task's block in its source.
+template <KvSourceKind Kind>
 __device__ TaskMeta fetch_task(const ForwardArgs& a, int64_t task, int pw) {
   TaskMeta m;
   const WorkItem& it = a.schedule[task / a.nsub];
   m.g = it.head_kv, m.b = it.document, m.j = it.kv_block;
   const int q_begin = it.q_begin, q_count = it.q_count;
   const DocInfo d = a.docs[m.b];
+  if (pw == 0) {
+    if constexpr (Kind == KvSourceKind::packed_bf16) m.src = d.k_start + m.j * kBlock;
+    else m.src = a.kv.page_table[int64_t(m.b) * a.kv.max_pages + m.j];
+  }
 #pragma unroll
   for (int i = 0; i < kQueriesPerProducer; ++i) {
     const int qi = int(task % a.nsub) * kQueriesPerTask + pw * kQueriesPerProducer + i;
@@ -224,6 +242,7 @@ __device__ void produce_task(const ForwardArgs& a, const CUtensorMap* q_map, con
   const int g = __shfl_sync(0xffffffffu, mine.g, src);
   const int b = __shfl_sync(0xffffffffu, mine.b, src);
   const int j = __shfl_sync(0xffffffffu, mine.j, src);
+  const int source = __shfl_sync(0xffffffffu, mine.src, src);
   int q_token[kQueriesPerProducer];
 #pragma unroll
   for (int i = 0; i < kQueriesPerProducer; ++i) {
@@ -234,7 +253,7 @@ __device__ void produce_task(const ForwardArgs& a, const CUtensorMap* q_map, con
     q_token[i] = r >= 0 ? r : int(a.total_q);
   }
   if (lane != 0) return;
-  if (pw == 0) store_block(&meta.block, TaskBlock{g, b, j, 0});
+  if (pw == 0) store_block(&meta.block, TaskBlock{g, b, j, source});
   mbar_arrive_expect_tx(full, kQueriesPerProducer * kGroup * kRowBytes);  // after the metadata stores
   // A query's Q rows come back once per selected block: let them outlive the output stream.
   const uint64_t keep = l2_evict_last();
@@ -246,29 +265,64 @@ __device__ void produce_task(const ForwardArgs& a, const CUtensorMap* q_map, con
   }
 }
 
-// Producer warp pw's whole share: the CTA's tasks in order, four stages ahead of the consumers.
-// Warp 0 also has each new key block brought into L2 when its first task is staged, so that
-// the consumers' load of it (load_key_block), a few tasks later, reads L2 rather than DRAM.
+// Has TMA copy one side (K or V, `map`) of a key block of a bf16 source into `tile`, both
+// column halves, signalling `bar`: packed rows source.. of head g (rows past the tensor read
+// as zero, rows of the next document as they are: the causal limits mask them), or page
+// `source` of head g.
 template <KvSourceKind Kind>
-__device__ void run_producer(const ForwardArgs& a, const CUtensorMap* q_map, const CtaTasks& tasks, int64_t ntasks,
-                             const Smem& sm, int pw, int lane) {
-  TaskBlock prefetched{-1, -1, -1, 0};
+__device__ __forceinline__ void load_block_side(uint32_t tile, const CUtensorMap* map, const TaskBlock& blk,
+                                                uint32_t bar) {
+  const uint64_t policy = l2_evict_normal();
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    if constexpr (Kind == KvSourceKind::packed_bf16)
+      tma_load_3d(tile + h * kBoxBytes, map, h * (kDim / 2), blk.head_kv, blk.source, bar, policy);
+    else
+      tma_load_4d(tile + h * kBoxBytes, map, h * (kDim / 2), 0, blk.head_kv, blk.source, bar, policy);
+  }
+}
+
+// Producer warp 0 at the first task of key block u. A bf16 source's K lands in tile u % 2 once
+// the consumers are done with block u - 2 (the tile's previous block), while they still work on
+// block u - 1; its V goes to L2 for the consumers' TMA load at the block change. A quantised
+// source's K and V go to L2 for the consumers' widening loads.
+template <KvSourceKind Kind>
+__device__ void stage_key_block(const ForwardArgs& a, const CUtensorMap* k_map, const Smem& sm, const TaskBlock& blk,
+                                int u, int lane) {
+  if constexpr (kTmaSource<Kind>) {
+    if (lane == 0) {
+      const int b = u & 1;
+      if (u >= 2) mbar_wait(sm.k_empty(b), ((u - 2) >> 1) & 1);
+      mbar_arrive_expect_tx(sm.k_full(b), kTileBytes);
+      load_block_side<Kind>(sm.k(b), k_map, blk, sm.k_full(b));
+    }
+  }
+  const DocInfo d = a.docs[blk.document];
+  const int nkeys = min(kBlock, d.k_len - blk.kv_block * kBlock);
+  prefetch_key_block<Kind>(a.kv, key_block_rows<Kind>(a.kv, blk.document, d.k_start, blk.head_kv, blk.kv_block), nkeys,
+                           lane, !kTmaSource<Kind>);
+}
+
+// Producer warp pw's whole share: the CTA's tasks in order, four stages ahead of the consumers.
+// Warp 0 also stages each new key block (stage_key_block) when its first task is staged.
+template <KvSourceKind Kind>
+__device__ void run_producer(const ForwardArgs& a, const CUtensorMap* q_map, const CUtensorMap* k_map,
+                             const CtaTasks& tasks, int64_t ntasks, const Smem& sm, int pw, int lane) {
+  TaskBlock staged{-1, -1, -1, 0};
+  int u = -1;  // key blocks staged so far, minus one
   for (int64_t n0 = 0; n0 < ntasks; n0 += 32) {
     TaskMeta mine;
-    if (n0 + lane < ntasks) mine = fetch_task(a, tasks.task(n0 + lane), pw);
+    if (n0 + lane < ntasks) mine = fetch_task<Kind>(a, tasks.task(n0 + lane), pw);
     const int count = int(ntasks - n0 < 32 ? ntasks - n0 : 32);
 #pragma unroll 1
     for (int k = 0; k < count; ++k) {
       const int n = int(n0 + k), stage = n % kQStages, use = n / kQStages;
       if (pw == 0) {
         const TaskBlock blk{__shfl_sync(0xffffffffu, mine.g, k), __shfl_sync(0xffffffffu, mine.b, k),
-                            __shfl_sync(0xffffffffu, mine.j, k), 0};
-        if (!blk.same(prefetched)) {
-          const DocInfo d = a.docs[blk.document];
-          const int nkeys = min(kBlock, d.k_len - blk.kv_block * kBlock);
-          prefetch_key_block<Kind>(a.kv, key_block_rows<Kind>(a.kv, blk.document, d.k_start, blk.head_kv, blk.kv_block),
-                                   nkeys, lane);
-          prefetched = blk;
+                            __shfl_sync(0xffffffffu, mine.j, k), __shfl_sync(0xffffffffu, mine.src, k)};
+        if (!blk.same(staged)) {
+          stage_key_block<Kind>(a, k_map, sm, blk, ++u, lane);
+          staged = blk;
         }
       }
       if (use > 0) mbar_wait(sm.empty(stage), (use - 1) & 1);
@@ -279,20 +333,19 @@ __device__ void run_producer(const ForwardArgs& a, const CUtensorMap* q_map, con
 
 // ---- consumer: key block, S = Q K^T, softmax, O = P V -------------------------------------
 
-// Loads key block j of head g from the source into the K tile (rows = keys) and V transposed
-// into the V^T tile (rows = dims, columns = keys), so that both products read K-major operands;
-// quantised values are widened to bf16 on the way. Keys past the document end are zero. Runs
+// Loads key block j of head g of a quantised source into `k_tile` and the V tile (rows = keys
+// in both; P V reads V MN-major), widened to bf16. Keys past the document end are zero. Runs
 // (by the consumers) once per block change. FP8 per-token scales of the block's keys go to
 // key_scale / value_scale (0 past the end).
 //
 // Non-finite values: a key past a row's causal limit gets P = 0, but 0 * inf or NaN in the
-// shared V^T tile would still reach the row (the tile serves queries with different limits).
+// shared V tile would still reach the row (the tile serves queries with different limits).
 // So an inf or NaN value is stored as 0, its key is marked in `nonfinite_keys` (cleared
 // beforehand), and the rows that do see the key add P * value for it afterwards
 // (add_nonfinite_values). Returns whether this thread met such a value. A K value needs no
 // care: a masked score is replaced by -inf, whatever it was.
 template <KvSourceKind Kind>
-__device__ bool load_key_block(const ForwardArgs& a, const TaskBlock& blk, const Smem& sm, int tid) {
+__device__ bool load_key_block(const ForwardArgs& a, const TaskBlock& blk, const Smem& sm, uint32_t k_tile, int tid) {
   constexpr int kChunks = kSourceChunks<Kind>;      // 16-byte source chunks of a row
   constexpr int kOut = kWidened<Kind> / 8;          // 16-byte bf16 chunks one source chunk gives
   static_assert(kChunks * kOut == kRowChunks);
@@ -300,7 +353,6 @@ __device__ bool load_key_block(const ForwardArgs& a, const TaskBlock& blk, const
   const int key0 = blk.kv_block * kBlock;
   const int nkeys = min(kBlock, d.k_len - key0);
   const KeyBlockRows rows = key_block_rows<Kind>(a.kv, blk.document, d.k_start, blk.head_kv, blk.kv_block);
-  const uint32_t ks = sm.k(), vts = sm.vt();
   if constexpr (Kind == KvSourceKind::paged_fp8) {
     if (a.kv.k_token_scale != nullptr && tid < kBlock) {
       const bool in = tid < nkeys;
@@ -314,51 +366,64 @@ __device__ bool load_key_block(const ForwardArgs& a, const TaskBlock& blk, const
   constexpr int kPerThread = kBlock * kChunks / kConsumers;  // chunks per side per thread
   static_assert(kBlock * kChunks % kConsumers == 0);
   RawChunk raw[kPerThread];
+  bool any_nonfinite = false;
 #pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    const int c = tid + i * kConsumers;
-    const int key = c / kChunks, ch = c % kChunks;
-    raw[i] = load_raw_chunk<Kind>(rows.k + key * a.kv.k_row, rows.ksf + key * a.kv.ksf_row, ch, key < nkeys);
+  for (int side = 0; side < 2; ++side) {
+    const uint8_t* base = side == 0 ? rows.k : rows.v;
+    const uint8_t* scales = side == 0 ? rows.ksf : rows.vsf;
+    const int64_t stride = side == 0 ? a.kv.k_row : a.kv.v_row, scale_stride = side == 0 ? a.kv.ksf_row : a.kv.vsf_row;
+    const uint32_t tile = side == 0 ? k_tile : sm.v();
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      const int c = tid + i * kConsumers;
+      const int key = c / kChunks, ch = c % kChunks;
+      raw[i] = load_raw_chunk<Kind>(base + key * stride, scales + key * scale_stride, ch, key < nkeys);
+    }
+#pragma unroll
+    for (int i = 0; i < kPerThread; ++i) {
+      const int c = tid + i * kConsumers;
+      const int key = c / kChunks, ch = c % kChunks;
+      uint32_t x[kWidened<Kind> / 2];
+      widen_chunk<Kind>(raw[i], x);
+      if (side == 1) {
+        uint32_t signs = 0;
+#pragma unroll
+        for (int w = 0; w < kWidened<Kind> / 2; ++w) signs |= nonfinite_bf16x2_signs(x[w]);
+        if (signs != 0) {  // rare: masking and shared-memory atomics only then
+#pragma unroll
+          for (int w = 0; w < kWidened<Kind> / 2; ++w) x[w] &= ~nonfinite_bf16x2(x[w]);
+          atomicOr(&sm.nonfinite_keys()[key >> 5], 1u << (key & 31));
+          any_nonfinite = true;
+        }
+      }
+#pragma unroll
+      for (int o = 0; o < kOut; ++o)
+        st_shared_v4(tile + tile_offset(kTileRows, key, kOut * ch + o), x[4 * o], x[4 * o + 1], x[4 * o + 2],
+                     x[4 * o + 3]);
+    }
   }
+  return any_nonfinite;
+}
+
+// The V tile of a TMA source once it has landed: inf / NaN values become 0 and their keys are
+// marked, as load_key_block does for widened sources. Returns whether this thread met one.
+__device__ bool scrub_values(const Smem& sm, int tid) {
+  constexpr int kPerThread = kTileBytes / 16 / kConsumers;  // 16-byte chunks of the tile a thread checks
+  uint4 w[kPerThread];
 #pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    const int c = tid + i * kConsumers;
-    const int key = c / kChunks, ch = c % kChunks;
-    uint32_t x[kWidened<Kind> / 2];
-    widen_chunk<Kind>(raw[i], x);
-#pragma unroll
-    for (int o = 0; o < kOut; ++o)
-      st_shared_v4(ks + tile_offset(kTileRows, key, kOut * ch + o), x[4 * o], x[4 * o + 1], x[4 * o + 2], x[4 * o + 3]);
-  }
-  // V: a warp covers 32 consecutive keys of one chunk column, so its 2-byte stores hit one row.
-#pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    const int c = tid + i * kConsumers;
-    const int key = c & (kBlock - 1), ch = c >> 7;  // kBlock keys per chunk column
-    raw[i] = load_raw_chunk<Kind>(rows.v + key * a.kv.v_row, rows.vsf + key * a.kv.vsf_row, ch, key < nkeys);
-  }
+  for (int i = 0; i < kPerThread; ++i) w[i] = ld_shared_v4(sm.v() + 16 * (tid + i * kConsumers));
   bool any_nonfinite = false;
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) {
-    const int c = tid + i * kConsumers;
-    const int key = c & (kBlock - 1), ch = c >> 7;
-    uint32_t words[kWidened<Kind> / 2];
-    widen_chunk<Kind>(raw[i], words);
-    uint32_t signs = 0;
-#pragma unroll
-    for (int w = 0; w < kWidened<Kind> / 2; ++w) signs |= nonfinite_bf16x2_signs(words[w]);
-    if (signs != 0) {  // rare: masking and shared-memory atomics only then
-#pragma unroll
-      for (int w = 0; w < kWidened<Kind> / 2; ++w) words[w] &= ~nonfinite_bf16x2(words[w]);
+    const uint32_t signs = nonfinite_bf16x2_signs(w[i].x) | nonfinite_bf16x2_signs(w[i].y) |
+                           nonfinite_bf16x2_signs(w[i].z) | nonfinite_bf16x2_signs(w[i].w);
+    if (signs != 0) {  // rare
+      const int c = tid + i * kConsumers;
+      const int key = (c % (kBoxBytes / 16)) / (kBoxRowBytes / 16);  // a swizzle moves chunks within a row only
+      st_shared_v4(sm.v() + 16 * c, w[i].x & ~nonfinite_bf16x2(w[i].x), w[i].y & ~nonfinite_bf16x2(w[i].y),
+                   w[i].z & ~nonfinite_bf16x2(w[i].z), w[i].w & ~nonfinite_bf16x2(w[i].w));
       atomicOr(&sm.nonfinite_keys()[key >> 5], 1u << (key & 31));
       any_nonfinite = true;
-    }
-#pragma unroll
-    for (int e = 0; e < kWidened<Kind>; ++e) {
-      const int dim = ch * kWidened<Kind> + e;
-      const uint32_t addr = vts + tile_offset(kTileRows, dim, key >> 3) + (key & 7) * 2;
-      const uint16_t h = uint16_t(words[e >> 1] >> (16 * (e & 1)));
-      asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(addr), "h"(h) : "memory");
     }
   }
   return any_nonfinite;
@@ -430,11 +495,16 @@ __device__ __forceinline__ void issue_scores(float (&s)[kNFrags][4], uint64_t q_
   wgmma_commit();
 }
 
-// Issues O = P V (P from registers, V^T as the K-major B operand); does not wait.
-__device__ __forceinline__ void issue_pv(float (&o)[kNFrags][4], const uint32_t (&p)[kKSteps][4], uint64_t vt_desc) {
+// Issues O = P V (P from registers, the V tile read MN-major: keys are its rows), one 64-column
+// half of O at a time; does not wait.
+__device__ __forceinline__ void issue_pv(float (&o)[kNFrags][4], const uint32_t (&p)[kKSteps][4], uint32_t v_tile) {
   wgmma_fence();
 #pragma unroll
-  for (int kt = 0; kt < kKSteps; ++kt) wgmma_m64n128k16_rs(o, p[kt], vt_desc + tile_desc_step(kTileRows, kt), kt > 0);
+  for (int kt = 0; kt < kKSteps; ++kt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+      wgmma_m64n64k16_rs_mn(*reinterpret_cast<float(*)[kNFrags / 2][4]>(&o[half * kNFrags / 2]), p[kt],
+                            tile_desc_mn(v_tile, kTileRows, half, kt), kt > 0);
   wgmma_commit();
 }
 
@@ -551,27 +621,60 @@ __device__ __forceinline__ void store_partial(const ForwardArgs& a, const CUtens
 // The consumers, software-pipelined over tasks: while task n's outputs are normalised and
 // stored, the tensor cores already compute S of task n + 1 (when it reads the same key block).
 template <KvSourceKind Kind>
-__device__ void run_consumer(const ForwardArgs& a, const CUtensorMap* part_map, int ntasks, const Smem& sm, int tid) {
+__device__ void run_consumer(const ForwardArgs& a, const CUtensorMap* part_map, const CUtensorMap* v_map, int ntasks,
+                             const Smem& sm, int tid) {
   const int warp = tid >> 5, lane = tid & 31;
   const int wg = warp >> 2, t4 = lane & 3;
   TaskBlock loaded{-1, -1, -1, 0};
+  int u = -1;                     // key blocks entered so far, minus one: the resident one's K is tile u % 2
+  uint64_t k_desc = 0;
   bool loaded_nonfinite = false;  // the resident block holds an inf or NaN value (CTA-uniform)
+  bool values_pending = false;    // TMA sources: the resident block's V is not yet landed and scrubbed
   // Waits for task n's Q stage; returns its key block.
   auto wait_task = [&](int n) {
     mbar_wait(sm.full(n % kQStages), (n / kQStages) & 1);
     fence_proxy_async();  // the cp.async rows are read by wgmma next
     return load_block(&sm.meta(n % kQStages).block);
   };
+  // Enters key block `blk`: a TMA source's K was staged by the producer (the old block's K tile
+  // goes back to it) and its V is requested here, waited for before the first P V
+  // (finish_values); a quantised source's tiles are loaded here.
   auto load_block_tiles = [&](const TaskBlock& blk) {
     sync_barrier(ForwardBarrier::kKeyBlock, kConsumers);  // every consumer is done with the old block
     if (loaded_nonfinite) {  // rare: clear the old block's marks before any new one is set
       if (tid < kBlock / 32) sm.nonfinite_keys()[tid] = 0;
       sync_barrier(ForwardBarrier::kKeyBlock, kConsumers);
     }
-    const bool mine = load_key_block<Kind>(a, blk, sm, tid);
+    ++u;
     loaded = blk;
-    fence_proxy_async();
-    loaded_nonfinite = sync_barrier_or(ForwardBarrier::kKeyBlock, kConsumers, mine);
+    k_desc = sw128_desc(sm.k(u & 1));
+    if constexpr (kTmaSource<Kind>) {
+      if (tid == 0) {
+        if (u > 0) mbar_arrive(sm.k_empty((u - 1) & 1));
+        mbar_arrive_expect_tx(sm.v_full(), kTileBytes);
+        load_block_side<Kind>(sm.v(), v_map, blk, sm.v_full());
+      }
+      mbar_wait(sm.k_full(u & 1), (u >> 1) & 1);
+      loaded_nonfinite = false;
+      values_pending = true;
+    } else {
+      const bool mine = load_key_block<Kind>(a, blk, sm, sm.k(u & 1), tid);
+      fence_proxy_async();
+      loaded_nonfinite = sync_barrier_or(ForwardBarrier::kKeyBlock, kConsumers, mine);
+    }
+  };
+  // TMA sources, before the first P V of a block: V has landed; its non-finite values are set
+  // aside (scrub_values) before the tensor cores read it.
+  auto finish_values = [&] {
+    if constexpr (kTmaSource<Kind>) {
+      if (values_pending) {
+        mbar_wait(sm.v_full(), u & 1);
+        const bool mine = scrub_values(sm, tid);
+        fence_proxy_async();
+        loaded_nonfinite = sync_barrier_or(ForwardBarrier::kKeyBlock, kConsumers, mine);
+        values_pending = false;
+      }
+    }
   };
   // Quantised sources' scales (kv_source.cuh): uniform over the kernel, or per key in shared memory.
   float k_tensor = 1.f, v_tensor = 1.f;
@@ -581,7 +684,6 @@ __device__ void run_consumer(const ForwardArgs& a, const CUtensorMap* part_map, 
     if (a.kv.k_tensor_scale != nullptr) k_tensor = *a.kv.k_tensor_scale, v_tensor = *a.kv.v_tensor_scale;
     if (a.kv.k_token_scale != nullptr) key_scales = sm.key_scale(), value_scales = sm.value_scale();
   }
-  const uint64_t k_desc = sw128_desc(sm.k()), vt_desc = sw128_desc(sm.vt());
   auto q_desc = [&](int n) { return sw128_desc(sm.q(n % kQStages) + (kTileRows / 2) * wg * kBoxRowBytes); };
   float s[kNFrags][4];
   load_block_tiles(wait_task(0));
@@ -596,9 +698,10 @@ __device__ void run_consumer(const ForwardArgs& a, const CUtensorMap* part_map, 
     uint32_t p[kKSteps][4];
     if constexpr (kQuantisedSource<Kind>) scale_scores(s, k_tensor, key_scales, t4);
     const RowStats r = softmax_rows<kQuantisedSource<Kind>>(s, p, m.limit, a.scale_log2, t4, value_scales);
+    finish_values();
     if (loaded_nonfinite) stage_p(p, qs, warp, lane);
     float o[kNFrags][4];
-    issue_pv(o, p, vt_desc);
+    issue_pv(o, p, sm.v());
     // S of the next task goes to the tensor cores now if its key block is already resident;
     // otherwise an empty group keeps the wait below the same on every path.
     const bool more = __all_sync(0xffffffffu, n + 1 < ntasks);
@@ -632,10 +735,12 @@ __device__ void run_consumer(const ForwardArgs& a, const CUtensorMap* part_map, 
   if (lane == 0) bulk_wait_read<0>();  // shared memory stays valid until TMA has read it
 }
 
+// k_map / v_map: TMA maps of a bf16 source's K and V (unused for quantised sources).
 template <KvSourceKind Kind>
 __global__ void __launch_bounds__(kThreads, 1)
     forward_tasks_kernel(const ForwardArgs a, const __grid_constant__ CUtensorMap q_map,
-                         const __grid_constant__ CUtensorMap part_map) {
+                         const __grid_constant__ CUtensorMap part_map, const __grid_constant__ CUtensorMap k_map,
+                         const __grid_constant__ CUtensorMap v_map) {
   extern __shared__ __align__(128) unsigned char smem[];
   if (a.status[0] != 0) return;
   const CtaTasks tasks = cta_tasks(a);
@@ -649,17 +754,22 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(sm.full(i), kProducerWarps);  // lane 0 of each producer warp (with its TMA bytes)
       mbar_init(sm.empty(i), kConsumerWarps);
     }
+    for (int b = 0; b < 2; ++b) {
+      mbar_init(sm.k_full(b), 1);   // the producer's expect_tx, with the TMA bytes
+      mbar_init(sm.k_empty(b), 1);  // consumer thread 0, after the consumers' barrier
+    }
+    mbar_init(sm.v_full(), 1);      // consumer thread 0's expect_tx, with the TMA bytes
     for (int i = 0; i < kBlock / 32; ++i) sm.nonfinite_keys()[i] = 0;
   }
   __syncthreads();
 
   if (warp >= kConsumerWarps) {
     setmaxnreg_dec<kProducerRegs>();
-    run_producer<Kind>(a, &q_map, tasks, ntasks, sm, warp - kConsumerWarps, lane);
+    run_producer<Kind>(a, &q_map, &k_map, tasks, ntasks, sm, warp - kConsumerWarps, lane);
     return;
   }
   setmaxnreg_inc<kConsumerRegs>();
-  run_consumer<Kind>(a, &part_map, int(ntasks), sm, tid);  // ntasks >= 1
+  run_consumer<Kind>(a, &part_map, &v_map, int(ntasks), sm, tid);  // ntasks >= 1
 }
 
 // Merges the partial states of every (query, head): thread = 8 output dims of one
@@ -751,11 +861,31 @@ __global__ void __launch_bounds__(kMergeThreads, 4)
   if (chunk == 0) lse[qh] = result_lse;
 }
 
+// TMA maps of a bf16 source's K and V sides (empty maps for quantised sources, which the kernel
+// reads without TMA): packed [tokens, Hkv, 128] in blocks of 128 tokens of one head, or paged
+// [pages, Hkv, 128, 128] a page of one head at a time.
+struct KvMaps {
+  CUtensorMap k{}, v{};
+};
+
+KvMaps kv_maps(const ForwardLaunch& f) {
+  KvMaps m;
+  const KvSource& kv = f.kv;
+  if (f.kind == KvSourceKind::packed_bf16) {
+    m.k = bf16_head_tile_map(kv.k, f.k_extent, f.Hkv, kv.k_row / 2, kv.k_head / 2, 1, "k", kBlock);
+    m.v = bf16_head_tile_map(kv.v, f.v_extent, f.Hkv, kv.v_row / 2, kv.v_head / 2, 1, "v", kBlock);
+  } else if (f.kind == KvSourceKind::paged_bf16) {
+    m.k = paged_cache_map(kv.k, f.k_extent, f.Hkv, kRowBytes, kv.k_page, kv.k_head, kv.k_row, "k_cache");
+    m.v = paged_cache_map(kv.v, f.v_extent, f.Hkv, kRowBytes, kv.v_page, kv.v_head, kv.v_row, "v_cache");
+  }
+  return m;
+}
+
 template <KvSourceKind Kind>
-void launch_tasks(const ForwardArgs& a, const CUtensorMap& q_map, const CUtensorMap& part_map, int grid,
-                  cudaStream_t s) {
+void launch_tasks(const ForwardArgs& a, const CUtensorMap& q_map, const CUtensorMap& part_map, const KvMaps& kv,
+                  int grid, cudaStream_t s) {
   MSA_CUDA_CHECK(cudaFuncSetAttribute(forward_tasks_kernel<Kind>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  forward_tasks_kernel<Kind><<<grid, kThreads, kSmemBytes, s>>>(a, q_map, part_map);
+  forward_tasks_kernel<Kind><<<grid, kThreads, kSmemBytes, s>>>(a, q_map, part_map, kv.k, kv.v);
   MSA_CUDA_CHECK_LAUNCH("forward_tasks_kernel");
 }
 
@@ -785,12 +915,13 @@ void run_sparse_forward(const ForwardLaunch& f, cudaStream_t s) {
     const CUtensorMap q_map =
         bf16_head_tile_map(f.q.data, Tq, f.Hq, f.q.stride[0], f.q.stride[1], kGroup, "q");
     const CUtensorMap part_map = bf16_row_tile_map(part_o, kSlots * Tq * a.Hq, kGroup, "the partial-output workspace");
+    const KvMaps kv = kv_maps(f);
     const int grid = int(std::min<int64_t>(max_tasks, sm_count()));
     switch (f.kind) {
-      case KvSourceKind::packed_bf16: launch_tasks<KvSourceKind::packed_bf16>(a, q_map, part_map, grid, s); break;
-      case KvSourceKind::paged_bf16: launch_tasks<KvSourceKind::paged_bf16>(a, q_map, part_map, grid, s); break;
-      case KvSourceKind::paged_fp8: launch_tasks<KvSourceKind::paged_fp8>(a, q_map, part_map, grid, s); break;
-      case KvSourceKind::paged_nvfp4: launch_tasks<KvSourceKind::paged_nvfp4>(a, q_map, part_map, grid, s); break;
+      case KvSourceKind::packed_bf16: launch_tasks<KvSourceKind::packed_bf16>(a, q_map, part_map, kv, grid, s); break;
+      case KvSourceKind::paged_bf16: launch_tasks<KvSourceKind::paged_bf16>(a, q_map, part_map, kv, grid, s); break;
+      case KvSourceKind::paged_fp8: launch_tasks<KvSourceKind::paged_fp8>(a, q_map, part_map, kv, grid, s); break;
+      case KvSourceKind::paged_nvfp4: launch_tasks<KvSourceKind::paged_nvfp4>(a, q_map, part_map, kv, grid, s); break;
     }
   }
   const int blocks = int(ceil_div(Tq * f.Hq * kMergeChunks, kMergeThreads));
@@ -817,6 +948,8 @@ void sparse_attention_forward(const Topology& topo, const PackedLayout& L, const
   f.kv.v = static_cast<const uint8_t*>(p.v.data);
   f.kv.k_row = f.kv.v_row = row_bytes;
   f.kv.k_head = f.kv.v_head = kDim * 2;
+  f.k_extent = p.k.shape[0];
+  f.v_extent = p.v.shape[0];
   f.q = p.q;
   f.schedule = static_cast<const WorkItem*>(plan.schedule.data());
   f.schedule_capacity = st.schedule_capacity;

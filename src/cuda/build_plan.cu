@@ -250,14 +250,19 @@ __global__ void items_fill_tail_kernel(const int32_t* __restrict__ row_ptr, cons
 // (edges, radix sort, scatter, row pointers, item count / scan / sort / fill), ~75 us for 182
 // queries on an H200, for a few thousand edges. One CTA does the same work in shared memory and
 // writes the same schedule: the edges of every (head, query) pair, the row pointers (an
-// exclusive scan of the per-row counts), the rows' queries in ascending order (each head's
-// pairs walked in query order by one warp, ties inside a step ranked by lane), the full items
-// in (head, row) order, then the partial items by size descending and (head, row) order.
+// exclusive scan of the per-row counts), the rows' queries in ascending order (every edge
+// placed in its row, then ranked by query within it), the full items in (head, row) order,
+// then the partial items by size descending and (head, row) order.
 constexpr int kSmallThreads = 1024;
 constexpr int kSmallWarps = kSmallThreads / 32;
 constexpr int64_t kSmallMaxEdges = 16384;  // keys and values held in shared memory
 constexpr int64_t kSmallMaxRows = 8192;    // Hkv * rows counters
 constexpr int kSmallMaxPerItem = 64;       // partial item sizes ranked per warp
+constexpr int kSmallLongRow = 32;          // rows with more edges are ranked by a warp (rank_long_row)
+constexpr int kSmallEdgesPerThread = int(kSmallMaxEdges / kSmallThreads);
+// Local queries of a step's document are < kSmallMaxEdges / kTopk: one bit each in a warp's
+// 32-word bitmap.
+static_assert(kSmallMaxEdges / kTopk <= 32 * 32 && kSmallWarps == 32);
 
 struct SmallScheduleArgs {
   EdgeArgs edges;
@@ -275,7 +280,7 @@ struct SmallScheduleArgs {
 };
 
 int64_t small_schedule_smem(int64_t edges, int64_t counters) {
-  return (2 * edges + 2 * counters + int64_t(kSmallWarps) * kSmallMaxPerItem) * 4;
+  return (2 * edges + 2 * counters + int64_t(kSmallWarps) * (kSmallMaxPerItem + 2 * 32)) * 4;
 }
 
 // Exclusive scan of in[0, n) into out (they may alias) by the whole CTA; returns the total.
@@ -340,8 +345,9 @@ __global__ void __launch_bounds__(kSmallThreads, 1) small_schedule_kernel(const 
   int32_t* keys = smem;                  // [E]
   int32_t* vals = keys + E;              // [E]
   int32_t* count = vals + E;             // [N] edges per (head, row)
-  int32_t* cursor = count + N;           // [N] next position of a row's edge; then full-item positions
+  int32_t* cursor = count + N;           // [N] start of a row's edges, its end once they are placed; then full-item positions
   int32_t* tails = cursor + N;           // [kSmallWarps, kSmallMaxPerItem] partial items per (warp, size)
+  uint32_t* long_rows = reinterpret_cast<uint32_t*>(tails + kSmallWarps * kSmallMaxPerItem);  // [kSmallWarps, 64]
 
   // What the general path clears with memsets.
   for (int i = tid; i < a.q_index_ints; i += kSmallThreads) a.q_indices[i] = -1, a.split_slot[i] = -1;
@@ -363,26 +369,73 @@ __global__ void __launch_bounds__(kSmallThreads, 1) small_schedule_kernel(const 
     a.row_ptr[h * (R + 1) + R] = R > 0 ? (h + 1 < Hkv ? cursor[(h + 1) * R] : all_edges) - cursor[h * R] : 0;
   __syncthreads();  // every cursor read before the walk below moves them
 
-  // The rows' queries in ascending order: warp h walks head h's pairs, two queries a step
-  // (lanes 0-15: query q, 16-31: q + 1; a query meets a row at most once), so an edge's place
-  // is the row's cursor plus the lanes before it in the step with the same row. Cursors count
-  // from the first edge of all heads; a head's own rows (only its warp moves their cursors)
-  // start at its first row's.
-  const uint32_t lanes_below = (1u << lane) - 1u;
-  for (int h = warp; h < Hkv; h += kSmallWarps) {
-    const int32_t head_base = R > 0 ? cursor[h * R] : 0;
-    for (int q0 = 0; q0 < e.total_q; q0 += 2) {
-      const int q = q0 + (lane >> 4);
-      const int64_t edge = (int64_t(h) * e.total_q + q) * kTopk + (lane & 15);
-      const int32_t key = q < e.total_q ? keys[edge] : sentinel;
-      const bool valid = key < sentinel;
-      const uint32_t same = __match_any_sync(0xffffffffu, valid ? key : sentinel + 1 + lane);
-      const int32_t pos = take_in_lane_order(&cursor[valid ? key : 0], same, valid, lanes_below) - head_base;
-      if (valid) {
-        const int64_t dst = int64_t(h) * e.total_q * kTopk + pos;
-        a.q_indices[dst] = vals[edge] >> kSlotBits;
-        a.split_slot[dst] = vals[edge] & (kTopk - 1);
+  // The rows' queries in ascending order. Every edge first takes a place in its row in any
+  // order (atomics on the row cursors), then each place is ranked within its row by local
+  // query (a query meets a row at most once, so the ranks are distinct): places of short rows
+  // by counting the row's smaller queries, long rows by one warp through a bitmap of their
+  // queries. Afterwards keys holds the edges' values by place and vals their (head, row).
+  {
+    int32_t key[kSmallEdgesPerThread], val[kSmallEdgesPerThread];
+#pragma unroll
+    for (int i = 0; i < kSmallEdgesPerThread; ++i) {
+      const int idx = tid + i * kSmallThreads;
+      key[i] = idx < E ? keys[idx] : sentinel;
+      val[i] = idx < E ? vals[idx] : 0;
+    }
+    __syncthreads();  // every edge read before any place is written
+#pragma unroll
+    for (int i = 0; i < kSmallEdgesPerThread; ++i)
+      if (key[i] < sentinel) {
+        const int32_t at = atomicAdd(&cursor[key[i]], 1);
+        keys[at] = val[i];
+        vals[at] = key[i];
       }
+  }
+  __syncthreads();  // cursor[n] is now the end of row n's places
+  // The output entry of row n's edge of value v, ranked `rank` within the row.
+  auto write_place = [&](int n, int32_t rank, int32_t v) {
+    const int h = n / R;
+    const int32_t head_base = cursor[h * R] - count[h * R];
+    const int64_t dst = int64_t(h) * e.total_q * kTopk + (cursor[n] - count[n] - head_base) + rank;
+    a.q_indices[dst] = v >> kSlotBits;
+    a.split_slot[dst] = v & (kTopk - 1);
+  };
+  for (int at = tid; at < all_edges; at += kSmallThreads) {
+    const int32_t n = vals[at], len = count[n];
+    if (len > kSmallLongRow) continue;
+    const int32_t end = cursor[n], v = keys[at], q = v >> kSlotBits;
+    int32_t rank = 0;
+    for (int i = end - len; i < end; ++i) rank += (keys[i] >> kSlotBits) < q ? 1 : 0;
+    write_place(n, rank, v);
+  }
+  uint32_t* bits = long_rows + warp * 64;  // this warp's bitmap of local queries, then its word prefix
+  for (int n0 = warp * 32; n0 < N; n0 += kSmallThreads) {
+    uint32_t longs = __ballot_sync(0xffffffffu, n0 + lane < N && count[n0 + lane] > kSmallLongRow);
+    while (longs != 0) {
+      const int n = n0 + __ffs(int(longs)) - 1;
+      longs &= longs - 1;
+      const int32_t end = cursor[n], begin = end - count[n];
+      bits[lane] = 0;
+      __syncwarp();
+      for (int i = begin + lane; i < end; i += 32) {
+        const int32_t q = keys[i] >> kSlotBits;
+        atomicOr(&bits[q >> 5], 1u << (q & 31));
+      }
+      __syncwarp();
+      const uint32_t word = bits[lane];
+      int32_t incl = __popc(word);
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int32_t x = __shfl_up_sync(0xffffffffu, incl, d);
+        if (lane >= d) incl += x;
+      }
+      bits[32 + lane] = uint32_t(incl - __popc(word));  // queries of the row in earlier words
+      __syncwarp();
+      for (int i = begin + lane; i < end; i += 32) {
+        const int32_t v = keys[i], q = v >> kSlotBits;
+        write_place(n, int32_t(bits[32 + (q >> 5)]) + __popc(bits[q >> 5] & ((1u << (q & 31)) - 1u)), v);
+      }
+      __syncwarp();  // the bitmap is cleared for the next row only after every lane has read it
     }
   }
   __syncthreads();
@@ -408,18 +461,26 @@ __global__ void __launch_bounds__(kSmallThreads, 1) small_schedule_kernel(const 
     if (t > 0) atomicAdd(&tails[warp * kSmallMaxPerItem + t], 1);
   }
   __syncthreads();
-  if (tid == 0) {  // start of each (size, warp) run, sizes descending
+  if (warp == 0) {  // start of each (size, warp) run, sizes descending: lane w scans warp w's runs
     int32_t at = total_full;
-    for (int t = per_item - 1; t >= 1; --t)
-      for (int w = 0; w < kSmallWarps; ++w) {
-        const int32_t c = tails[w * kSmallMaxPerItem + t];
-        tails[w * kSmallMaxPerItem + t] = at;
-        at += c;
+    for (int t = per_item - 1; t >= 1; --t) {
+      const int32_t c = tails[lane * kSmallMaxPerItem + t];
+      int32_t incl = c;
+#pragma unroll
+      for (int d = 1; d < 32; d <<= 1) {
+        const int32_t x = __shfl_up_sync(0xffffffffu, incl, d);
+        if (lane >= d) incl += x;
       }
-    *a.work_count = at;
-    *a.full_count = total_full;
+      tails[lane * kSmallMaxPerItem + t] = at + incl - c;
+      at += __shfl_sync(0xffffffffu, incl, 31);
+    }
+    if (lane == 0) {
+      *a.work_count = at;
+      *a.full_count = total_full;
+    }
   }
   __syncthreads();
+  const uint32_t lanes_below = (1u << lane) - 1u;
   for (int n0 = n_begin; n0 < n_end; n0 += 32) {
     const int n = n0 + lane;
     const int t = n < n_end ? count[n] % per_item : 0;

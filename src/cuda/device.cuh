@@ -194,7 +194,8 @@ __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t byt
 }
 
 // L2 policies for the copies below: evict_last for data read again soon (it outlives the
-// streams around it), evict_first for data written once and not read back while cached.
+// streams around it), evict_first for data written once and not read back while cached,
+// evict_normal for data read a few times by whichever SM comes next.
 __device__ __forceinline__ uint64_t l2_evict_last() {
   uint64_t p;
   asm volatile("createpolicy.fractional.L2::evict_last.b64 %0, 1.0;\n" : "=l"(p));
@@ -203,6 +204,11 @@ __device__ __forceinline__ uint64_t l2_evict_last() {
 __device__ __forceinline__ uint64_t l2_evict_first() {
   uint64_t p;
   asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(p));
+  return p;
+}
+__device__ __forceinline__ uint64_t l2_evict_normal() {
+  uint64_t p;
+  asm volatile("createpolicy.fractional.L2::evict_normal.b64 %0, 1.0;\n" : "=l"(p));
   return p;
 }
 

@@ -26,6 +26,9 @@ enum class KvSourceKind { packed_bf16, paged_bf16, paged_fp8, paged_nvfp4 };
 
 template <KvSourceKind Kind>
 inline constexpr bool kQuantisedSource = Kind == KvSourceKind::paged_fp8 || Kind == KvSourceKind::paged_nvfp4;
+// bf16 sources: their blocks are the kernels' tiles as stored, so TMA can copy them.
+template <KvSourceKind Kind>
+inline constexpr bool kTmaSource = !kQuantisedSource<Kind>;
 
 // Addresses of one source (byte strides). Packed: page stride unused, head stride = one row
 // of 128 bf16, row stride = Hkv rows.
@@ -155,14 +158,15 @@ __device__ __forceinline__ void widen_chunk(const RawChunk& raw, uint32_t (&out)
   }
 }
 
-// Brings the K and V rows of a key block (rows 0 .. nkeys - 1; NVFP4 block scales not
-// included) into L2, spread over the 32 lanes of a warp: the loads of load_key_block that
-// follow find them there instead of waiting on DRAM. A side whose rows are contiguous (a paged
+// Brings the K (with `keys`) and V rows of a key block (rows 0 .. nkeys - 1; NVFP4 block
+// scales not included) into L2, spread over the 32 lanes of a warp: the loads of the block
+// that follow find them there instead of waiting on DRAM. A side whose rows are contiguous (a paged
 // cache's page of one head) is one bulk prefetch by lane 0; strided rows (packed K / V, whose
 // heads interleave) are prefetched line by line from every lane. Per-row bulk prefetches would
 // queue one TMA operation per row ahead of the Q tiles' loads.
 template <KvSourceKind Kind>
-__device__ __forceinline__ void prefetch_key_block(const KvSource& s, const KeyBlockRows& rows, int nkeys, int lane) {
+__device__ __forceinline__ void prefetch_key_block(const KvSource& s, const KeyBlockRows& rows, int nkeys, int lane,
+                                                   bool keys = true) {
   constexpr int kRow = kSourceRowBytes<Kind>;
   auto side = [&](const uint8_t* base, int64_t stride) {
     if (stride == kRow) {
@@ -173,7 +177,7 @@ __device__ __forceinline__ void prefetch_key_block(const KvSource& s, const KeyB
 #pragma unroll 1
     for (int i = lane; i < nkeys * kLines; i += 32) prefetch_l2_line(base + (i / kLines) * stride + (i % kLines) * 128);
   };
-  side(rows.k, s.k_row);
+  if (keys) side(rows.k, s.k_row);
   side(rows.v, s.v_row);
 }
 

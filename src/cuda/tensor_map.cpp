@@ -78,10 +78,10 @@ CUtensorMap bf16_row_tile_map(const void* base, int64_t rows, int box_rows, cons
 }
 
 CUtensorMap bf16_head_tile_map(const void* base, int64_t tokens, int64_t heads, int64_t token_stride,
-                               int64_t head_stride, int box_heads, const char* what) {
+                               int64_t head_stride, int box_heads, const char* what, int box_tokens) {
   const cuuint64_t dims[3] = {128, cuuint64_t(heads), cuuint64_t(tokens > 0 ? tokens : 1)};
   const cuuint64_t strides[2] = {cuuint64_t(head_stride) * 2, cuuint64_t(token_stride) * 2};
-  const cuuint32_t box[3] = {64, cuuint32_t(box_heads), 1};
+  const cuuint32_t box[3] = {64, cuuint32_t(box_heads), cuuint32_t(box_tokens)};
   return encode_bf16(3, base, dims, strides, box, what,
                      std::to_string(tokens) + " tokens x " + std::to_string(heads) + " heads");
 }

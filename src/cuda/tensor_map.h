@@ -16,11 +16,12 @@ namespace msa::cuda {
 CUtensorMap bf16_row_tile_map(const void* base, int64_t rows, int box_rows, const char* what);
 
 // Describes a [tokens, heads, 128] bf16 tensor with any 16-byte-multiple strides (elements
-// token_stride, head_stride), copied in boxes of `box_heads` heads of one token x 64 columns,
-// same swizzle: a box fills head rows of one column half of a tile. Tokens past the end read
+// token_stride, head_stride), copied in boxes of `box_heads` heads x `box_tokens` tokens x 64
+// columns, same swizzle: a box fills the rows (token-major, then head) of one column half of a
+// tile, e.g. the 16 head rows of one query, or 128 keys of one head. Tokens past the end read
 // as zero.
 CUtensorMap bf16_head_tile_map(const void* base, int64_t tokens, int64_t heads, int64_t token_stride,
-                               int64_t head_stride, int box_heads, const char* what);
+                               int64_t head_stride, int box_heads, const char* what, int box_tokens = 1);
 
 // Describes one side (K or V) of a paged cache [pages, heads, 128 tokens, row] with any
 // 16-byte-multiple byte strides (page_stride, head_stride, token_stride), copied a page of one

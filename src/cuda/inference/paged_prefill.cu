@@ -87,6 +87,8 @@ void paged_prefill_attention(const InferencePlan& plan, const PagedAttentionPara
   ForwardLaunch f;
   f.kind = source_kind(p.kv.format);
   f.kv = paged_kv_source(plan, p.kv);
+  f.k_extent = p.kv.k.shape[0];
+  f.v_extent = p.kv.v.shape[0];
   f.q = p.q;
   f.schedule = static_cast<const WorkItem*>(e->plan.schedule.data());
   f.schedule_capacity = e->state.schedule_capacity;
