@@ -495,16 +495,11 @@ __device__ __forceinline__ void issue_scores(float (&s)[kNFrags][4], uint64_t q_
   wgmma_commit();
 }
 
-// Issues O = P V (P from registers, the V tile read MN-major: keys are its rows), one 64-column
-// half of O at a time; does not wait.
+// Issues O = P V (P from registers, the V tile read MN-major: keys are its rows); does not wait.
 __device__ __forceinline__ void issue_pv(float (&o)[kNFrags][4], const uint32_t (&p)[kKSteps][4], uint32_t v_tile) {
   wgmma_fence();
 #pragma unroll
-  for (int kt = 0; kt < kKSteps; ++kt)
-#pragma unroll
-    for (int half = 0; half < 2; ++half)
-      wgmma_m64n64k16_rs_mn(*reinterpret_cast<float(*)[kNFrags / 2][4]>(&o[half * kNFrags / 2]), p[kt],
-                            tile_desc_mn(v_tile, kTileRows, half, kt), kt > 0);
+  for (int kt = 0; kt < kKSteps; ++kt) wgmma_m64n128k16_rs_mn(o, p[kt], tile_desc_mn_x128(v_tile, kTileRows, kt), kt > 0);
   wgmma_commit();
 }
 

@@ -37,6 +37,15 @@ __device__ __forceinline__ uint64_t tile_desc_mn(uint32_t tile, int rows, int ha
   return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1024 >> 4) << 16) | (uint64_t(1024 >> 4) << 32) | (uint64_t(1) << 62);
 }
 
+// Descriptor of k-step kk of a whole 128-column tile read MN-major: the M or N dimension is
+// both column halves (the second `rows` * 128 bytes after the first: the leading byte offset),
+// rows 16kk..16kk+15 the reduction dimension (8-row groups 1024 bytes apart).
+__device__ __forceinline__ uint64_t tile_desc_mn_x128(uint32_t tile, int rows, int kk) {
+  const uint32_t addr = tile + uint32_t(kk * 16 * 128);
+  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t((rows * 128) >> 4) << 16) | (uint64_t(1024 >> 4) << 32) |
+         (uint64_t(1) << 62);
+}
+
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
 template <int N>
@@ -111,6 +120,17 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs_mn(float (&d)[8][4], const ui
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " MSA_WGMMA_D64_LIST ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
                  : MSA_WGMMA_D64_OPERANDS(d)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+}
+
+// d (64 x 128) = (accumulate ? d : 0) + A (64 x 16) B (16 x 128), A from registers as in
+// wgmma_m64n128k16_rs and B read MN-major (tile_desc_mn_x128), e.g. O = P V with V's tokens as
+// rows of both column halves.
+__device__ __forceinline__ void wgmma_m64n128k16_rs_mn(float (&d)[16][4], const uint32_t (&a)[4], uint64_t db,
+                                                       int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " MSA_WGMMA_D128_LIST ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
+               : MSA_WGMMA_D128_OPERANDS(d)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
 }
 
 // S (64 x n) = A B^T over the 128 columns of two tiles: warpgroup rows a_row0.. of tile a,
