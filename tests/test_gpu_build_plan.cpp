@@ -49,9 +49,10 @@ TEST(GpuPlan, MatchesCpuPlanOnEdgeAndRealShapes) {
   }
 }
 
-// Steps of up to 16384 edges and 8192 (head, row) pairs build their schedule in one CTA
+// Steps of up to 32768 edges and 8192 (head, row) pairs build their schedule in one CTA
 // (build_plan.cu); larger ones through the sort. Both must give the CPU's plan, for every
-// item size the one-CTA path takes (<= 64) and one it leaves to the sort.
+// item size the one-CTA path takes (<= 64) and one it leaves to the sort, with rows ranked by
+// counting (<= 16 edges) and through a bitmap of local queries (up to 2047).
 TEST(GpuPlan, SmallStepsMatchCpuPlanEveryItemSize) {
   MSA_REQUIRE_GPU();
   MSA_SEEDED_RNG(rng);
@@ -65,8 +66,10 @@ TEST(GpuPlan, SmallStepsMatchCpuPlanEveryItemSize) {
       {"2 queries over 140k keys", 1, layout_of({2}, {140000})},
       {"three requests, chunk and decode rows", 1, layout_of({100, 1, 37}, {5000, 900, 37})},
       {"1000 queries, one KV head", 4, layout_of({1000}, {4096})},
-      {"256 queries: 16384 edges exactly", 1, layout_of({256}, {9000})},
-      {"257 queries: over the one-CTA limit", 1, layout_of({257}, {9000})},
+      {"2048 queries, one KV head: 32768 edges, local queries up to 2047", 4, layout_of({2048}, {2600})},
+      {"512 queries: 32768 edges exactly", 1, layout_of({512}, {9000})},
+      {"513 queries: over the one-CTA limit", 1, layout_of({513}, {9000})},
+      {"347 queries over 131k keys: 4112 rows", 1, layout_of({347}, {131547})},
   };
   for (const Step& st : steps) {
     SCOPED_TRACE(st.name);

@@ -9,13 +9,17 @@
 // The CTA is persistent (one per SM) and walks a contiguous share of the full items' tasks, so
 // consecutive tasks almost always read the same key block (the schedule lists the full items
 // of a (head, block) row one after another): K and V stay in shared memory until the block
-// changes. bf16 sources land by TMA: the producer loads the K tile of the next block into a
-// second K tile while the consumers still work on the current one, the consumers have V
-// loaded when they switch blocks and wait for it only before P V (V is read MN-major, as it
-// is stored). Quantised sources are widened by the consumers when the block changes. The partial items that follow are dealt out round robin (CtaTasks). A producer warpgroup reads the schedule and streams each task's Q rows through four
-// shared-memory stages with TMA (mbarrier hand-off), so the two computing warpgroups
-// never wait on metadata loads; it gives most of its registers to them (setmaxnreg), which
-// lets each computing warpgroup issue S of the next task before the current task's epilogue.
+// changes. The partial items that follow are dealt out round robin (CtaTasks). A producer
+// warpgroup reads the schedule and streams each task's Q rows through four shared-memory
+// stages with TMA (mbarrier hand-off), so the two computing warpgroups never wait on metadata
+// loads; it gives most of its registers to them (setmaxnreg), which lets each computing
+// warpgroup issue S of the next task before the current task's epilogue.
+//
+// Key blocks of bf16 sources land by TMA: the producer loads the K tile of the next block into
+// a second K tile while the consumers still work on the current one; the consumers request V
+// when they switch blocks and wait for it only before the first P V (V is read MN-major, as
+// stored). Quantised sources are widened by the consumers when the block changes (V
+// transposed on the way, read K-major).
 //
 // The key blocks come from a KvSource (kv_source.cuh): the packed K / V of training, or a paged
 // cache (bf16, FP8, NVFP4) for paged prefill; the kernel is the same, the source its policy.
@@ -121,7 +125,7 @@ struct alignas(1024) Tile {
 // consumers) has its K in tile u % 2.
 struct SharedStorage {
   Tile k[2];              // K of the resident key block and of the next one (rows = keys)
-  Tile v;                 // V of the resident key block (rows = keys; P V reads it MN-major)
+  Tile v;                 // V of the resident key block: as stored (TMA sources) or V^T (widened ones)
   Tile q[kQStages];       // Q rows of a task (query w: rows 16w..); reused for its outputs
   MetaStage meta[kQStages];
   uint64_t full[kQStages];   // mbarrier: stage s holds a task (the producers' TMA bytes landed)
@@ -333,9 +337,9 @@ __device__ void run_producer(const ForwardArgs& a, const CUtensorMap* q_map, con
 
 // ---- consumer: key block, S = Q K^T, softmax, O = P V -------------------------------------
 
-// Loads key block j of head g of a quantised source into `k_tile` and the V tile (rows = keys
-// in both; P V reads V MN-major), widened to bf16. Keys past the document end are zero. Runs
-// (by the consumers) once per block change. FP8 per-token scales of the block's keys go to
+// Loads key block j of head g of a quantised source, widened to bf16, into `k_tile` (rows =
+// keys) and V transposed into the V tile (rows = dims, columns = keys: P V reads it K-major).
+// Keys past the document end are zero. Runs (by the consumers) once per block change. FP8 per-token scales of the block's keys go to
 // key_scale / value_scale (0 past the end).
 //
 // Non-finite values: a key past a row's causal limit gets P = 0, but 0 * inf or NaN in the
@@ -366,40 +370,51 @@ __device__ bool load_key_block(const ForwardArgs& a, const TaskBlock& blk, const
   constexpr int kPerThread = kBlock * kChunks / kConsumers;  // chunks per side per thread
   static_assert(kBlock * kChunks % kConsumers == 0);
   RawChunk raw[kPerThread];
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int c = tid + i * kConsumers;
+    const int key = c / kChunks, ch = c % kChunks;
+    raw[i] = load_raw_chunk<Kind>(rows.k + key * a.kv.k_row, rows.ksf + key * a.kv.ksf_row, ch, key < nkeys);
+  }
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int c = tid + i * kConsumers;
+    const int key = c / kChunks, ch = c % kChunks;
+    uint32_t x[kWidened<Kind> / 2];
+    widen_chunk<Kind>(raw[i], x);
+#pragma unroll
+    for (int o = 0; o < kOut; ++o)
+      st_shared_v4(k_tile + tile_offset(kTileRows, key, kOut * ch + o), x[4 * o], x[4 * o + 1], x[4 * o + 2], x[4 * o + 3]);
+  }
+  // V^T: a warp covers 32 consecutive keys of one chunk column, so its 2-byte stores hit one row.
+#pragma unroll
+  for (int i = 0; i < kPerThread; ++i) {
+    const int c = tid + i * kConsumers;
+    const int key = c & (kBlock - 1), ch = c >> 7;  // kBlock keys per chunk column
+    raw[i] = load_raw_chunk<Kind>(rows.v + key * a.kv.v_row, rows.vsf + key * a.kv.vsf_row, ch, key < nkeys);
+  }
   bool any_nonfinite = false;
 #pragma unroll
-  for (int side = 0; side < 2; ++side) {
-    const uint8_t* base = side == 0 ? rows.k : rows.v;
-    const uint8_t* scales = side == 0 ? rows.ksf : rows.vsf;
-    const int64_t stride = side == 0 ? a.kv.k_row : a.kv.v_row, scale_stride = side == 0 ? a.kv.ksf_row : a.kv.vsf_row;
-    const uint32_t tile = side == 0 ? k_tile : sm.v();
+  for (int i = 0; i < kPerThread; ++i) {
+    const int c = tid + i * kConsumers;
+    const int key = c & (kBlock - 1), ch = c >> 7;
+    uint32_t words[kWidened<Kind> / 2];
+    widen_chunk<Kind>(raw[i], words);
+    uint32_t signs = 0;
 #pragma unroll
-    for (int i = 0; i < kPerThread; ++i) {
-      const int c = tid + i * kConsumers;
-      const int key = c / kChunks, ch = c % kChunks;
-      raw[i] = load_raw_chunk<Kind>(base + key * stride, scales + key * scale_stride, ch, key < nkeys);
+    for (int w = 0; w < kWidened<Kind> / 2; ++w) signs |= nonfinite_bf16x2_signs(words[w]);
+    if (signs != 0) {  // rare: masking and shared-memory atomics only then
+#pragma unroll
+      for (int w = 0; w < kWidened<Kind> / 2; ++w) words[w] &= ~nonfinite_bf16x2(words[w]);
+      atomicOr(&sm.nonfinite_keys()[key >> 5], 1u << (key & 31));
+      any_nonfinite = true;
     }
 #pragma unroll
-    for (int i = 0; i < kPerThread; ++i) {
-      const int c = tid + i * kConsumers;
-      const int key = c / kChunks, ch = c % kChunks;
-      uint32_t x[kWidened<Kind> / 2];
-      widen_chunk<Kind>(raw[i], x);
-      if (side == 1) {
-        uint32_t signs = 0;
-#pragma unroll
-        for (int w = 0; w < kWidened<Kind> / 2; ++w) signs |= nonfinite_bf16x2_signs(x[w]);
-        if (signs != 0) {  // rare: masking and shared-memory atomics only then
-#pragma unroll
-          for (int w = 0; w < kWidened<Kind> / 2; ++w) x[w] &= ~nonfinite_bf16x2(x[w]);
-          atomicOr(&sm.nonfinite_keys()[key >> 5], 1u << (key & 31));
-          any_nonfinite = true;
-        }
-      }
-#pragma unroll
-      for (int o = 0; o < kOut; ++o)
-        st_shared_v4(tile + tile_offset(kTileRows, key, kOut * ch + o), x[4 * o], x[4 * o + 1], x[4 * o + 2],
-                     x[4 * o + 3]);
+    for (int e = 0; e < kWidened<Kind>; ++e) {
+      const int dim = ch * kWidened<Kind> + e;
+      const uint32_t addr = sm.v() + tile_offset(kTileRows, dim, key >> 3) + (key & 7) * 2;
+      const uint16_t h = uint16_t(words[e >> 1] >> (16 * (e & 1)));
+      asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(addr), "h"(h) : "memory");
     }
   }
   return any_nonfinite;
@@ -495,11 +510,16 @@ __device__ __forceinline__ void issue_scores(float (&s)[kNFrags][4], uint64_t q_
   wgmma_commit();
 }
 
-// Issues O = P V (P from registers, the V tile read MN-major: keys are its rows); does not wait.
+// Issues O = P V (P from registers) over the V tile: V as landed (keys are its rows, read
+// MN-major) or V^T (kVt: dims are its rows, read K-major); does not wait.
+template <bool kVt>
 __device__ __forceinline__ void issue_pv(float (&o)[kNFrags][4], const uint32_t (&p)[kKSteps][4], uint32_t v_tile) {
   wgmma_fence();
 #pragma unroll
-  for (int kt = 0; kt < kKSteps; ++kt) wgmma_m64n128k16_rs_mn(o, p[kt], tile_desc_mn_x128(v_tile, kTileRows, kt), kt > 0);
+  for (int kt = 0; kt < kKSteps; ++kt) {
+    if constexpr (kVt) wgmma_m64n128k16_rs(o, p[kt], sw128_desc(v_tile) + tile_desc_step(kTileRows, kt), kt > 0);
+    else wgmma_m64n128k16_rs_mn(o, p[kt], tile_desc_mn_x128(v_tile, kTileRows, kt), kt > 0);
+  }
   wgmma_commit();
 }
 
@@ -696,7 +716,7 @@ __device__ void run_consumer(const ForwardArgs& a, const CUtensorMap* part_map, 
     finish_values();
     if (loaded_nonfinite) stage_p(p, qs, warp, lane);
     float o[kNFrags][4];
-    issue_pv(o, p, sm.v());
+    issue_pv<!kTmaSource<Kind>>(o, p, sm.v());
     // S of the next task goes to the tensor cores now if its key block is already resident;
     // otherwise an empty group keeps the wait below the same on every path.
     const bool more = __all_sync(0xffffffffu, n + 1 < ntasks);

@@ -134,25 +134,17 @@ __device__ __forceinline__ void query_edges(const EdgeArgs& a, int64_t idx, int3
   }
 }
 
-// Writes pair idx's edges to keys / vals [Hkv * total_q * kTopk]; with `count`, also counts
-// each edge in its (head, row) entry (shared-memory atomics).
-__device__ __forceinline__ void emit_edges(const EdgeArgs& a, int64_t idx, int32_t* keys, int32_t* vals,
-                                           int32_t* count) {
+// One thread per (head, query): the pair's edges into keys / vals [Hkv * total_q * kTopk].
+__global__ void plan_edges_kernel(const EdgeArgs a, int32_t* __restrict__ keys, int32_t* __restrict__ vals) {
+  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (idx >= int64_t(a.Hkv) * a.total_q) return;
   int32_t key[kTopk], val[kTopk];
   query_edges(a, idx, key, val);
 #pragma unroll
   for (int s = 0; s < kTopk; ++s) {
     keys[idx * kTopk + s] = key[s];
     vals[idx * kTopk + s] = val[s];
-    if (count != nullptr && key[s] < a.Hkv * a.total_rows) atomicAdd(&count[key[s]], 1);
   }
-}
-
-// One thread per (head, query): the pair's edges into keys / vals.
-__global__ void plan_edges_kernel(const EdgeArgs a, int32_t* __restrict__ keys, int32_t* __restrict__ vals) {
-  const int64_t idx = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (idx >= int64_t(a.Hkv) * a.total_q) return;
-  emit_edges(a, idx, keys, vals, nullptr);
 }
 
 __global__ void plan_scatter_kernel(const int32_t* __restrict__ keys, const int32_t* __restrict__ vals, int64_t n,
@@ -255,14 +247,19 @@ __global__ void items_fill_tail_kernel(const int32_t* __restrict__ row_ptr, cons
 // then the partial items by size descending and (head, row) order.
 constexpr int kSmallThreads = 1024;
 constexpr int kSmallWarps = kSmallThreads / 32;
-constexpr int64_t kSmallMaxEdges = 16384;  // keys and values held in shared memory
+constexpr int64_t kSmallMaxEdges = 32768;  // edges held in shared memory
 constexpr int64_t kSmallMaxRows = 8192;    // Hkv * rows counters
 constexpr int kSmallMaxPerItem = 64;       // partial item sizes ranked per warp
-constexpr int kSmallLongRow = 32;          // rows with more edges are ranked by a warp (rank_long_row)
+constexpr int kSmallLongRow = 16;          // rows with more edges are ranked by a warp through a bitmap
 constexpr int kSmallEdgesPerThread = int(kSmallMaxEdges / kSmallThreads);
-// Local queries of a step's document are < kSmallMaxEdges / kTopk: one bit each in a warp's
-// 32-word bitmap.
-static_assert(kSmallMaxEdges / kTopk <= 32 * 32 && kSmallWarps == 32);
+// An edge in one int: its (head, row) key (<= kSmallMaxRows, the sentinel included) above its
+// value (local query * kTopk + slot; local queries < kSmallMaxEdges / kTopk).
+constexpr int kSmallValueBits = 15;
+constexpr int kSmallBitmapWords = int(kSmallMaxEdges / kTopk / 32);  // a warp's bitmap of local queries
+static_assert(kSmallMaxEdges <= (1 << kSmallValueBits) && kSmallMaxRows < (1 << (31 - kSmallValueBits)));
+static_assert(kSmallWarps == 32 && kSmallBitmapWords % 32 == 0);
+__device__ __forceinline__ int32_t small_key(int32_t edge) { return edge >> kSmallValueBits; }
+__device__ __forceinline__ int32_t small_value(int32_t edge) { return edge & ((1 << kSmallValueBits) - 1); }
 
 struct SmallScheduleArgs {
   EdgeArgs edges;
@@ -280,7 +277,7 @@ struct SmallScheduleArgs {
 };
 
 int64_t small_schedule_smem(int64_t edges, int64_t counters) {
-  return (2 * edges + 2 * counters + int64_t(kSmallWarps) * (kSmallMaxPerItem + 2 * 32)) * 4;
+  return (edges + 2 * counters + int64_t(kSmallWarps) * (kSmallMaxPerItem + 2 * kSmallBitmapWords)) * 4;
 }
 
 // Exclusive scan of in[0, n) into out (they may alias) by the whole CTA; returns the total.
@@ -342,12 +339,11 @@ __global__ void __launch_bounds__(kSmallThreads, 1) small_schedule_kernel(const 
   const int64_t pairs = int64_t(Hkv) * e.total_q;
   const int E = int(pairs * kTopk), N = Hkv * R;
   const int32_t sentinel = N;
-  int32_t* keys = smem;                  // [E]
-  int32_t* vals = keys + E;              // [E]
-  int32_t* count = vals + E;             // [N] edges per (head, row)
+  int32_t* edges = smem;                 // [E] packed edges (small_key, small_value): by pair, then by place
+  int32_t* count = edges + E;            // [N] edges per (head, row)
   int32_t* cursor = count + N;           // [N] start of a row's edges, its end once they are placed; then full-item positions
   int32_t* tails = cursor + N;           // [kSmallWarps, kSmallMaxPerItem] partial items per (warp, size)
-  uint32_t* long_rows = reinterpret_cast<uint32_t*>(tails + kSmallWarps * kSmallMaxPerItem);  // [kSmallWarps, 64]
+  uint32_t* long_rows = reinterpret_cast<uint32_t*>(tails + kSmallWarps * kSmallMaxPerItem);  // [kSmallWarps, 2 words]
 
   // What the general path clears with memsets.
   for (int i = tid; i < a.q_index_ints; i += kSmallThreads) a.q_indices[i] = -1, a.split_slot[i] = -1;
@@ -359,7 +355,15 @@ __global__ void __launch_bounds__(kSmallThreads, 1) small_schedule_kernel(const 
   __syncthreads();
 
   // Edges, and the edge count of every (head, row).
-  for (int64_t idx = tid; idx < pairs; idx += kSmallThreads) emit_edges(e, idx, keys, vals, count);
+  for (int64_t idx = tid; idx < pairs; idx += kSmallThreads) {
+    int32_t key[kTopk], val[kTopk];
+    query_edges(e, idx, key, val);
+#pragma unroll
+    for (int s = 0; s < kTopk; ++s) {
+      edges[idx * kTopk + s] = key[s] << kSmallValueBits | val[s];
+      if (key[s] < sentinel) atomicAdd(&count[key[s]], 1);
+    }
+  }
   __syncthreads();
 
   // Row pointers: each head's rows from 0; cursor = where the row's next edge goes.
@@ -373,23 +377,18 @@ __global__ void __launch_bounds__(kSmallThreads, 1) small_schedule_kernel(const 
   // order (atomics on the row cursors), then each place is ranked within its row by local
   // query (a query meets a row at most once, so the ranks are distinct): places of short rows
   // by counting the row's smaller queries, long rows by one warp through a bitmap of their
-  // queries. Afterwards keys holds the edges' values by place and vals their (head, row).
+  // queries.
   {
-    int32_t key[kSmallEdgesPerThread], val[kSmallEdgesPerThread];
+    int32_t mine[kSmallEdgesPerThread];
 #pragma unroll
     for (int i = 0; i < kSmallEdgesPerThread; ++i) {
       const int idx = tid + i * kSmallThreads;
-      key[i] = idx < E ? keys[idx] : sentinel;
-      val[i] = idx < E ? vals[idx] : 0;
+      mine[i] = idx < E ? edges[idx] : sentinel << kSmallValueBits;
     }
     __syncthreads();  // every edge read before any place is written
 #pragma unroll
     for (int i = 0; i < kSmallEdgesPerThread; ++i)
-      if (key[i] < sentinel) {
-        const int32_t at = atomicAdd(&cursor[key[i]], 1);
-        keys[at] = val[i];
-        vals[at] = key[i];
-      }
+      if (small_key(mine[i]) < sentinel) edges[atomicAdd(&cursor[small_key(mine[i])], 1)] = mine[i];
   }
   __syncthreads();  // cursor[n] is now the end of row n's places
   // The output entry of row n's edge of value v, ranked `rank` within the row.
@@ -401,39 +400,45 @@ __global__ void __launch_bounds__(kSmallThreads, 1) small_schedule_kernel(const 
     a.split_slot[dst] = v & (kTopk - 1);
   };
   for (int at = tid; at < all_edges; at += kSmallThreads) {
-    const int32_t n = vals[at], len = count[n];
+    const int32_t edge = edges[at], n = small_key(edge), len = count[n];
     if (len > kSmallLongRow) continue;
-    const int32_t end = cursor[n], v = keys[at], q = v >> kSlotBits;
+    const int32_t end = cursor[n], v = small_value(edge), q = v >> kSlotBits;
     int32_t rank = 0;
-    for (int i = end - len; i < end; ++i) rank += (keys[i] >> kSlotBits) < q ? 1 : 0;
+    for (int i = end - len; i < end; ++i) rank += (small_value(edges[i]) >> kSlotBits) < q ? 1 : 0;
     write_place(n, rank, v);
   }
-  uint32_t* bits = long_rows + warp * 64;  // this warp's bitmap of local queries, then its word prefix
+  // A warp's bitmap of a long row's local queries, then the number of queries before each word.
+  uint32_t* bits = long_rows + warp * 2 * kSmallBitmapWords;
+  uint32_t* before = bits + kSmallBitmapWords;
   for (int n0 = warp * 32; n0 < N; n0 += kSmallThreads) {
     uint32_t longs = __ballot_sync(0xffffffffu, n0 + lane < N && count[n0 + lane] > kSmallLongRow);
     while (longs != 0) {
       const int n = n0 + __ffs(int(longs)) - 1;
       longs &= longs - 1;
       const int32_t end = cursor[n], begin = end - count[n];
-      bits[lane] = 0;
+      for (int w = lane; w < kSmallBitmapWords; w += 32) bits[w] = 0;
       __syncwarp();
       for (int i = begin + lane; i < end; i += 32) {
-        const int32_t q = keys[i] >> kSlotBits;
+        const int32_t q = small_value(edges[i]) >> kSlotBits;
         atomicOr(&bits[q >> 5], 1u << (q & 31));
       }
       __syncwarp();
-      const uint32_t word = bits[lane];
-      int32_t incl = __popc(word);
+      int32_t carry = 0;  // an exclusive scan of the words' populations, 32 words a round
+      for (int w0 = 0; w0 < kSmallBitmapWords; w0 += 32) {
+        const int32_t pop = __popc(bits[w0 + lane]);
+        int32_t incl = pop;
 #pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const int32_t x = __shfl_up_sync(0xffffffffu, incl, d);
-        if (lane >= d) incl += x;
+        for (int d = 1; d < 32; d <<= 1) {
+          const int32_t x = __shfl_up_sync(0xffffffffu, incl, d);
+          if (lane >= d) incl += x;
+        }
+        before[w0 + lane] = uint32_t(carry + incl - pop);
+        carry += __shfl_sync(0xffffffffu, incl, 31);
       }
-      bits[32 + lane] = uint32_t(incl - __popc(word));  // queries of the row in earlier words
       __syncwarp();
       for (int i = begin + lane; i < end; i += 32) {
-        const int32_t v = keys[i], q = v >> kSlotBits;
-        write_place(n, int32_t(bits[32 + (q >> 5)]) + __popc(bits[q >> 5] & ((1u << (q & 31)) - 1u)), v);
+        const int32_t v = small_value(edges[i]), q = v >> kSlotBits;
+        write_place(n, int32_t(before[q >> 5]) + __popc(bits[q >> 5] & ((1u << (q & 31)) - 1u)), v);
       }
       __syncwarp();  // the bitmap is cleared for the next row only after every lane has read it
     }
