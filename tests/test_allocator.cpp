@@ -106,9 +106,9 @@ TEST(GpuAllocator, PlanMemoryComesFromTheAllocatorOnTheCallersStream) {
   AllocatorScope scope;
   MSA_SEEDED_RNG(rng);
   const Topology topo = Topology::minimax_m3(4);
-  // 1,700 queries x 1 KV head x 16 = 27,200 edges: over the one-CTA schedule's 16,384, so the
+  // 2,700 queries x 1 KV head x 16 = 43,200 edges: over the one-CTA schedule's 32,768, so the
   // plan also takes its sort scratch from the allocator.
-  const PackedLayout L = layout_of({1400, 300});
+  const PackedLayout L = layout_of({2400, 300});
   const AttentionCase c = make_case(rng, topo, L);
   cudaStream_t stream;
   CHECK_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));

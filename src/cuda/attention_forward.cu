@@ -122,9 +122,12 @@ struct alignas(1024) Tile {
   unsigned char bytes[kTileBytes];
 };
 // Key block u (the u-th block change of the CTA's task walk, counted alike by producer and
-// consumers) has its K in tile u % 2.
+// consumers) has its K in tile u % KTiles: bf16 sources keep two (the next block's K lands
+// while the current one is in use), widened sources one, which leaves the SM's L1 cache the
+// 32 KB that their loads go through.
+template <int KTiles>
 struct SharedStorage {
-  Tile k[2];              // K of the resident key block and of the next one (rows = keys)
+  Tile k[KTiles];         // K of the resident key block (and of the next one; rows = keys)
   Tile v;                 // V of the resident key block: as stored (TMA sources) or V^T (widened ones)
   Tile q[kQStages];       // Q rows of a task (query w: rows 16w..); reused for its outputs
   MetaStage meta[kQStages];
@@ -137,29 +140,36 @@ struct SharedStorage {
   float key_scale[kBlock];    // FP8 per-token scales of the resident block's keys (K, V)
   float value_scale[kBlock];
 };
-static_assert(offsetof(SharedStorage, q) == 3 * kTileBytes && alignof(SharedStorage) == 1024);
-static_assert(offsetof(SharedStorage, full) % 8 == 0 && sizeof(MetaStage) % 16 == 0);
-constexpr int kSmemBytes = int(sizeof(SharedStorage)) + 1024;  // + slack to align the base
-static_assert(kSmemBytes <= 227 * 1024, "over the 227 KB of shared memory a CTA can have");
+template <KvSourceKind Kind>
+inline constexpr int kKTiles = kTmaSource<Kind> ? 2 : 1;
+static_assert(offsetof(SharedStorage<2>, q) == 3 * kTileBytes && alignof(SharedStorage<2>) == 1024);
+static_assert(offsetof(SharedStorage<2>, full) % 8 == 0 && sizeof(MetaStage) % 16 == 0);
+template <KvSourceKind Kind>
+inline constexpr int kSmemBytes = int(sizeof(SharedStorage<kKTiles<Kind>>)) + 1024;  // + slack to align the base
+static_assert(kSmemBytes<KvSourceKind::paged_bf16> <= 227 * 1024, "over the 227 KB of shared memory a CTA can have");
 
 // SharedStorage at a 1024-aligned shared address: TMA, wgmma descriptors and mbarriers take
 // 32-bit shared addresses, the metadata is read through the pointer.
+template <int KTiles>
 struct Smem {
   uint32_t base;
-  SharedStorage* ptr;
-  __device__ uint32_t k(int b) const { return base + uint32_t(offsetof(SharedStorage, k)) + b * kTileBytes; }
-  __device__ uint32_t v() const { return base + uint32_t(offsetof(SharedStorage, v)); }
-  __device__ uint32_t q(int stage) const { return base + uint32_t(offsetof(SharedStorage, q)) + stage * kTileBytes; }
-  __device__ uint32_t full(int stage) const { return base + uint32_t(offsetof(SharedStorage, full)) + 8 * stage; }
-  __device__ uint32_t empty(int stage) const { return base + uint32_t(offsetof(SharedStorage, empty)) + 8 * stage; }
-  __device__ uint32_t k_full(int b) const { return base + uint32_t(offsetof(SharedStorage, k_full)) + 8 * b; }
-  __device__ uint32_t k_empty(int b) const { return base + uint32_t(offsetof(SharedStorage, k_empty)) + 8 * b; }
-  __device__ uint32_t v_full() const { return base + uint32_t(offsetof(SharedStorage, v_full)); }
+  SharedStorage<KTiles>* ptr;
+  __device__ uint32_t k(int b) const { return base + uint32_t(offsetof(SharedStorage<KTiles>, k)) + (b % KTiles) * kTileBytes; }
+  __device__ uint32_t v() const { return base + uint32_t(offsetof(SharedStorage<KTiles>, v)); }
+  __device__ uint32_t q(int stage) const { return base + uint32_t(offsetof(SharedStorage<KTiles>, q)) + stage * kTileBytes; }
+  __device__ uint32_t full(int stage) const { return base + uint32_t(offsetof(SharedStorage<KTiles>, full)) + 8 * stage; }
+  __device__ uint32_t empty(int stage) const { return base + uint32_t(offsetof(SharedStorage<KTiles>, empty)) + 8 * stage; }
+  __device__ uint32_t k_full(int b) const { return base + uint32_t(offsetof(SharedStorage<KTiles>, k_full)) + 8 * b; }
+  __device__ uint32_t k_empty(int b) const { return base + uint32_t(offsetof(SharedStorage<KTiles>, k_empty)) + 8 * b; }
+  __device__ uint32_t v_full() const { return base + uint32_t(offsetof(SharedStorage<KTiles>, v_full)); }
   __device__ MetaStage& meta(int stage) const { return ptr->meta[stage]; }
   __device__ uint32_t* nonfinite_keys() const { return ptr->nonfinite_keys; }
   __device__ float* key_scale() const { return ptr->key_scale; }
   __device__ float* value_scale() const { return ptr->value_scale; }
 };
+
+template <KvSourceKind Kind>
+using SmemOf = Smem<kKTiles<Kind>>;
 
 struct ForwardArgs {
   KvSource kv;             // K / V: packed [Tk, Hkv, 128] bf16 or a paged cache
@@ -291,7 +301,7 @@ __device__ __forceinline__ void load_block_side(uint32_t tile, const CUtensorMap
 // block u - 1; its V goes to L2 for the consumers' TMA load at the block change. A quantised
 // source's K and V go to L2 for the consumers' widening loads.
 template <KvSourceKind Kind>
-__device__ void stage_key_block(const ForwardArgs& a, const CUtensorMap* k_map, const Smem& sm, const TaskBlock& blk,
+__device__ void stage_key_block(const ForwardArgs& a, const CUtensorMap* k_map, const SmemOf<Kind>& sm, const TaskBlock& blk,
                                 int u, int lane) {
   if constexpr (kTmaSource<Kind>) {
     if (lane == 0) {
@@ -311,7 +321,7 @@ __device__ void stage_key_block(const ForwardArgs& a, const CUtensorMap* k_map, 
 // Warp 0 also stages each new key block (stage_key_block) when its first task is staged.
 template <KvSourceKind Kind>
 __device__ void run_producer(const ForwardArgs& a, const CUtensorMap* q_map, const CUtensorMap* k_map,
-                             const CtaTasks& tasks, int64_t ntasks, const Smem& sm, int pw, int lane) {
+                             const CtaTasks& tasks, int64_t ntasks, const SmemOf<Kind>& sm, int pw, int lane) {
   TaskBlock staged{-1, -1, -1, 0};
   int u = -1;  // key blocks staged so far, minus one
   for (int64_t n0 = 0; n0 < ntasks; n0 += 32) {
@@ -349,7 +359,7 @@ __device__ void run_producer(const ForwardArgs& a, const CUtensorMap* q_map, con
 // (add_nonfinite_values). Returns whether this thread met such a value. A K value needs no
 // care: a masked score is replaced by -inf, whatever it was.
 template <KvSourceKind Kind>
-__device__ bool load_key_block(const ForwardArgs& a, const TaskBlock& blk, const Smem& sm, uint32_t k_tile, int tid) {
+__device__ bool load_key_block(const ForwardArgs& a, const TaskBlock& blk, const SmemOf<Kind>& sm, uint32_t k_tile, int tid) {
   constexpr int kChunks = kSourceChunks<Kind>;      // 16-byte source chunks of a row
   constexpr int kOut = kWidened<Kind> / 8;          // 16-byte bf16 chunks one source chunk gives
   static_assert(kChunks * kOut == kRowChunks);
@@ -422,7 +432,7 @@ __device__ bool load_key_block(const ForwardArgs& a, const TaskBlock& blk, const
 
 // The V tile of a TMA source once it has landed: inf / NaN values become 0 and their keys are
 // marked, as load_key_block does for widened sources. Returns whether this thread met one.
-__device__ bool scrub_values(const Smem& sm, int tid) {
+__device__ bool scrub_values(const Smem<2>& sm, int tid) {
   constexpr int kPerThread = kTileBytes / 16 / kConsumers;  // 16-byte chunks of the tile a thread checks
   uint4 w[kPerThread];
 #pragma unroll
@@ -637,7 +647,7 @@ __device__ __forceinline__ void store_partial(const ForwardArgs& a, const CUtens
 // stored, the tensor cores already compute S of task n + 1 (when it reads the same key block).
 template <KvSourceKind Kind>
 __device__ void run_consumer(const ForwardArgs& a, const CUtensorMap* part_map, const CUtensorMap* v_map, int ntasks,
-                             const Smem& sm, int tid) {
+                             const SmemOf<Kind>& sm, int tid) {
   const int warp = tid >> 5, lane = tid & 31;
   const int wg = warp >> 2, t4 = lane & 3;
   TaskBlock loaded{-1, -1, -1, 0};
@@ -763,7 +773,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (ntasks == 0) return;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const uint32_t base = align1024(smem_addr(smem));
-  const Smem sm{base, reinterpret_cast<SharedStorage*>(smem + (base - smem_addr(smem)))};
+  const SmemOf<Kind> sm{base, reinterpret_cast<SharedStorage<kKTiles<Kind>>*>(smem + (base - smem_addr(smem)))};
   if (tid == 0) {
     for (int i = 0; i < kQStages; ++i) {
       mbar_init(sm.full(i), kProducerWarps);  // lane 0 of each producer warp (with its TMA bytes)
@@ -899,8 +909,9 @@ KvMaps kv_maps(const ForwardLaunch& f) {
 template <KvSourceKind Kind>
 void launch_tasks(const ForwardArgs& a, const CUtensorMap& q_map, const CUtensorMap& part_map, const KvMaps& kv,
                   int grid, cudaStream_t s) {
-  MSA_CUDA_CHECK(cudaFuncSetAttribute(forward_tasks_kernel<Kind>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-  forward_tasks_kernel<Kind><<<grid, kThreads, kSmemBytes, s>>>(a, q_map, part_map, kv.k, kv.v);
+  MSA_CUDA_CHECK(
+      cudaFuncSetAttribute(forward_tasks_kernel<Kind>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes<Kind>));
+  forward_tasks_kernel<Kind><<<grid, kThreads, kSmemBytes<Kind>, s>>>(a, q_map, part_map, kv.k, kv.v);
   MSA_CUDA_CHECK_LAUNCH("forward_tasks_kernel");
 }
 
