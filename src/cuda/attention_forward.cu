@@ -528,7 +528,7 @@ __device__ __forceinline__ void issue_pv(float (&o)[kNFrags][4], const uint32_t 
 #pragma unroll
   for (int kt = 0; kt < kKSteps; ++kt) {
     if constexpr (kVt) wgmma_m64n128k16_rs(o, p[kt], sw128_desc(v_tile) + tile_desc_step(kTileRows, kt), kt > 0);
-    else wgmma_m64n128k16_rs_mn(o, p[kt], tile_desc_mn_x128(v_tile, kTileRows, kt), kt > 0);
+    else wgmma_m64n128k16_rs<1>(o, p[kt], tile_desc_mn_x128(v_tile, kTileRows, kt), kt > 0);
   }
   wgmma_commit();
 }

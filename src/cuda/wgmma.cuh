@@ -96,12 +96,15 @@ __device__ __forceinline__ void wgmma_m64n64k16(float (&d)[8][4], uint64_t da, u
 // d (64 x 128) = (accumulate ? d : 0) + A (64 x 16) B^T (B: 128 x 16), A from registers in the
 // mma.sync A-fragment layout of each warp's 16 rows (a[0..3] as in device.cuh), which is
 // also what packing this warp's rows of an accumulator d[2k], d[2k + 1] to bf16 gives.
+// kTransB: B read MN-major (tile_desc_mn_x128: the tile's rows are the reduction dimension),
+// e.g. O = P V with V's tokens as rows of both column halves.
+template <int kTransB = 0>
 __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[16][4], const uint32_t (&a)[4], uint64_t db,
                                                     int accumulate) {
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " MSA_WGMMA_D128_LIST ", {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " MSA_WGMMA_D128_LIST ", {%64, %65, %66, %67}, %68, p, 1, 1, %70;\n}\n"
                : MSA_WGMMA_D128_OPERANDS(d)
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate), "n"(kTransB));
 }
 
 // d (64 x 64) = (accumulate ? d : 0) + A (64 x 16) B (16 x 64), A from registers as in
@@ -120,17 +123,6 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs_mn(float (&d)[8][4], const ui
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " MSA_WGMMA_D64_LIST ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
                  : MSA_WGMMA_D64_OPERANDS(d)
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
-}
-
-// d (64 x 128) = (accumulate ? d : 0) + A (64 x 16) B (16 x 128), A from registers as in
-// wgmma_m64n128k16_rs and B read MN-major (tile_desc_mn_x128), e.g. O = P V with V's tokens as
-// rows of both column halves.
-__device__ __forceinline__ void wgmma_m64n128k16_rs_mn(float (&d)[16][4], const uint32_t (&a)[4], uint64_t db,
-                                                       int accumulate) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " MSA_WGMMA_D128_LIST ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-               : MSA_WGMMA_D128_OPERANDS(d)
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
 }
 
 // S (64 x n) = A B^T over the 128 columns of two tiles: warpgroup rows a_row0.. of tile a,
