@@ -710,17 +710,26 @@ __device__ __forceinline__ int select_history(const float* score, int64_t begin,
   int li[kList];
 #pragma unroll
   for (int k = 0; k < kList; ++k) ls[k] = -INFINITY, li[k] = INT_MAX;
-  for (int64_t b = begin + lane; b < end; b += 32) {
-    float cs = score[b];
-    int ci = int(b);
-    if (isnan(cs) || !ranks_before(cs, ci, ls[kList - 1], li[kList - 1])) continue;
+  // The scores are read kBatch pages a lane at a time, so that their loads are in flight
+  // together; the list is the same in any order of insertion ((score, id) is a total order).
+  constexpr int kBatch = 8;
+  for (int64_t b0 = begin + lane; b0 < end; b0 += 32 * kBatch) {
+    float batch[kBatch];
 #pragma unroll
-    for (int k = 0; k < kList; ++k)
-      if (ranks_before(cs, ci, ls[k], li[k])) {
-        const float ts = ls[k];
-        const int ti = li[k];
-        ls[k] = cs, li[k] = ci, cs = ts, ci = ti;
-      }
+    for (int i = 0; i < kBatch; ++i) batch[i] = b0 + 32 * i < end ? score[b0 + 32 * i] : NAN;  // NaN: skipped
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      float cs = batch[i];
+      int ci = int(b0 + 32 * i);
+      if (isnan(cs) || !ranks_before(cs, ci, ls[kList - 1], li[kList - 1])) continue;
+#pragma unroll
+      for (int k = 0; k < kList; ++k)
+        if (ranks_before(cs, ci, ls[k], li[k])) {
+          const float ts = ls[k];
+          const int ti = li[k];
+          ls[k] = cs, li[k] = ci, cs = ts, ci = ti;
+        }
+    }
   }
   for (int k = 0; k < slots; ++k) {
     float bs = ls[0];
