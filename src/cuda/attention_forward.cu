@@ -152,16 +152,17 @@ static_assert(kSmemBytes<KvSourceKind::paged_bf16> <= 227 * 1024, "over the 227 
 // 32-bit shared addresses, the metadata is read through the pointer.
 template <int KTiles>
 struct Smem {
+  using Storage = SharedStorage<KTiles>;
   uint32_t base;
-  SharedStorage<KTiles>* ptr;
-  __device__ uint32_t k(int b) const { return base + uint32_t(offsetof(SharedStorage<KTiles>, k)) + (b % KTiles) * kTileBytes; }
-  __device__ uint32_t v() const { return base + uint32_t(offsetof(SharedStorage<KTiles>, v)); }
-  __device__ uint32_t q(int stage) const { return base + uint32_t(offsetof(SharedStorage<KTiles>, q)) + stage * kTileBytes; }
-  __device__ uint32_t full(int stage) const { return base + uint32_t(offsetof(SharedStorage<KTiles>, full)) + 8 * stage; }
-  __device__ uint32_t empty(int stage) const { return base + uint32_t(offsetof(SharedStorage<KTiles>, empty)) + 8 * stage; }
-  __device__ uint32_t k_full(int b) const { return base + uint32_t(offsetof(SharedStorage<KTiles>, k_full)) + 8 * b; }
-  __device__ uint32_t k_empty(int b) const { return base + uint32_t(offsetof(SharedStorage<KTiles>, k_empty)) + 8 * b; }
-  __device__ uint32_t v_full() const { return base + uint32_t(offsetof(SharedStorage<KTiles>, v_full)); }
+  Storage* ptr;
+  __device__ uint32_t k(int b) const { return base + uint32_t(offsetof(Storage, k)) + (b % KTiles) * kTileBytes; }
+  __device__ uint32_t v() const { return base + uint32_t(offsetof(Storage, v)); }
+  __device__ uint32_t q(int stage) const { return base + uint32_t(offsetof(Storage, q)) + stage * kTileBytes; }
+  __device__ uint32_t full(int stage) const { return base + uint32_t(offsetof(Storage, full)) + 8 * stage; }
+  __device__ uint32_t empty(int stage) const { return base + uint32_t(offsetof(Storage, empty)) + 8 * stage; }
+  __device__ uint32_t k_full(int b) const { return base + uint32_t(offsetof(Storage, k_full)) + 8 * b; }
+  __device__ uint32_t k_empty(int b) const { return base + uint32_t(offsetof(Storage, k_empty)) + 8 * b; }
+  __device__ uint32_t v_full() const { return base + uint32_t(offsetof(Storage, v_full)); }
   __device__ MetaStage& meta(int stage) const { return ptr->meta[stage]; }
   __device__ uint32_t* nonfinite_keys() const { return ptr->nonfinite_keys; }
   __device__ float* key_scale() const { return ptr->key_scale; }
@@ -219,8 +220,8 @@ struct TaskMeta {
 };
 
 // Reads the metadata of task `task` for producer warp pw (one lane per task: the loads of 32
-// tasks are in flight together, two dependent round trips per 32 tasks). Warp 0, which loads
-// the key blocks, also locates the task's block in its source.
+// tasks are in flight together, two dependent round trips per 32 tasks). For a bf16 source,
+// warp 0, which has TMA load the key blocks, also locates the task's block in it.
 template <KvSourceKind Kind>
 __device__ TaskMeta fetch_task(const ForwardArgs& a, int64_t task, int pw) {
   TaskMeta m;
@@ -228,7 +229,7 @@ __device__ TaskMeta fetch_task(const ForwardArgs& a, int64_t task, int pw) {
   m.g = it.head_kv, m.b = it.document, m.j = it.kv_block;
   const int q_begin = it.q_begin, q_count = it.q_count;
   const DocInfo d = a.docs[m.b];
-  if (pw == 0) {
+  if (kTmaSource<Kind> && pw == 0) {
     if constexpr (Kind == KvSourceKind::packed_bf16) m.src = d.k_start + m.j * kBlock;
     else m.src = a.kv.page_table[int64_t(m.b) * a.kv.max_pages + m.j];
   }
@@ -301,8 +302,8 @@ __device__ __forceinline__ void load_block_side(uint32_t tile, const CUtensorMap
 // block u - 1; its V goes to L2 for the consumers' TMA load at the block change. A quantised
 // source's K and V go to L2 for the consumers' widening loads.
 template <KvSourceKind Kind>
-__device__ void stage_key_block(const ForwardArgs& a, const CUtensorMap* k_map, const SmemOf<Kind>& sm, const TaskBlock& blk,
-                                int u, int lane) {
+__device__ void stage_key_block(const ForwardArgs& a, const CUtensorMap* k_map, const SmemOf<Kind>& sm,
+                                const TaskBlock& blk, int u, int lane) {
   if constexpr (kTmaSource<Kind>) {
     if (lane == 0) {
       const int b = u & 1;
@@ -349,8 +350,8 @@ __device__ void run_producer(const ForwardArgs& a, const CUtensorMap* q_map, con
 
 // Loads key block j of head g of a quantised source, widened to bf16, into `k_tile` (rows =
 // keys) and V transposed into the V tile (rows = dims, columns = keys: P V reads it K-major).
-// Keys past the document end are zero. Runs (by the consumers) once per block change. FP8 per-token scales of the block's keys go to
-// key_scale / value_scale (0 past the end).
+// Keys past the document end are zero. Runs (by the consumers) once per block change. FP8
+// per-token scales of the block's keys go to key_scale / value_scale (0 past the end).
 //
 // Non-finite values: a key past a row's causal limit gets P = 0, but 0 * inf or NaN in the
 // shared V tile would still reach the row (the tile serves queries with different limits).
@@ -359,7 +360,8 @@ __device__ void run_producer(const ForwardArgs& a, const CUtensorMap* q_map, con
 // (add_nonfinite_values). Returns whether this thread met such a value. A K value needs no
 // care: a masked score is replaced by -inf, whatever it was.
 template <KvSourceKind Kind>
-__device__ bool load_key_block(const ForwardArgs& a, const TaskBlock& blk, const SmemOf<Kind>& sm, uint32_t k_tile, int tid) {
+__device__ bool load_key_block(const ForwardArgs& a, const TaskBlock& blk, const SmemOf<Kind>& sm, uint32_t k_tile,
+                               int tid) {
   constexpr int kChunks = kSourceChunks<Kind>;      // 16-byte source chunks of a row
   constexpr int kOut = kWidened<Kind> / 8;          // 16-byte bf16 chunks one source chunk gives
   static_assert(kChunks * kOut == kRowChunks);
@@ -773,7 +775,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (ntasks == 0) return;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const uint32_t base = align1024(smem_addr(smem));
-  const SmemOf<Kind> sm{base, reinterpret_cast<SharedStorage<kKTiles<Kind>>*>(smem + (base - smem_addr(smem)))};
+  const SmemOf<Kind> sm{base, reinterpret_cast<typename SmemOf<Kind>::Storage*>(smem + (base - smem_addr(smem)))};
   if (tid == 0) {
     for (int i = 0; i < kQStages; ++i) {
       mbar_init(sm.full(i), kProducerWarps);  // lane 0 of each producer warp (with its TMA bytes)
