@@ -280,6 +280,16 @@ int64_t small_schedule_smem(int64_t edges, int64_t counters) {
   return (edges + 2 * counters + int64_t(kSmallWarps) * (kSmallMaxPerItem + 2 * kSmallBitmapWords)) * 4;
 }
 
+// Inclusive prefix sum of v over the lanes of a warp.
+__device__ __forceinline__ int32_t warp_inclusive_scan(int32_t v, int lane) {
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int32_t x = __shfl_up_sync(0xffffffffu, v, d);
+    if (lane >= d) v += x;
+  }
+  return v;
+}
+
 // Exclusive scan of in[0, n) into out (they may alias) by the whole CTA; returns the total.
 // Thread t scans a run of consecutive elements, then the runs' sums are scanned.
 __device__ int32_t block_exclusive_scan(const int32_t* in, int32_t* out, int n, int32_t* warp_sums) {
@@ -288,21 +298,11 @@ __device__ int32_t block_exclusive_scan(const int32_t* in, int32_t* out, int n, 
   const int begin = min(n, tid * per), end = min(n, begin + per);
   int32_t sum = 0;
   for (int i = begin; i < end; ++i) sum += in[i];
-  int32_t incl = sum;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int32_t v = __shfl_up_sync(0xffffffffu, incl, d);
-    if (lane >= d) incl += v;
-  }
+  const int32_t incl = warp_inclusive_scan(sum, lane);
   if (lane == 31) warp_sums[warp] = incl;
   __syncthreads();
   if (warp == 0) {
-    int32_t w = warp_sums[lane], wincl = w;
-#pragma unroll
-    for (int d = 1; d < 32; d <<= 1) {
-      const int32_t v = __shfl_up_sync(0xffffffffu, wincl, d);
-      if (lane >= d) wincl += v;
-    }
+    const int32_t w = warp_sums[lane], wincl = warp_inclusive_scan(w, lane);
     warp_sums[lane] = wincl - w;  // exclusive prefix of the warps
     if (lane == 31) warp_sums[32] = wincl;
   }
@@ -341,7 +341,7 @@ __global__ void __launch_bounds__(kSmallThreads, 1) small_schedule_kernel(const 
   const int32_t sentinel = N;
   int32_t* edges = smem;                 // [E] packed edges (small_key, small_value): by pair, then by place
   int32_t* count = edges + E;            // [N] edges per (head, row)
-  int32_t* cursor = count + N;           // [N] start of a row's edges, its end once they are placed; then full-item positions
+  int32_t* cursor = count + N;           // [N] a row's first edge, its end once placed; then full-item positions
   int32_t* tails = cursor + N;           // [kSmallWarps, kSmallMaxPerItem] partial items per (warp, size)
   uint32_t* long_rows = reinterpret_cast<uint32_t*>(tails + kSmallWarps * kSmallMaxPerItem);  // [kSmallWarps, 2 words]
 
@@ -425,13 +425,7 @@ __global__ void __launch_bounds__(kSmallThreads, 1) small_schedule_kernel(const 
       __syncwarp();
       int32_t carry = 0;  // an exclusive scan of the words' populations, 32 words a round
       for (int w0 = 0; w0 < kSmallBitmapWords; w0 += 32) {
-        const int32_t pop = __popc(bits[w0 + lane]);
-        int32_t incl = pop;
-#pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-          const int32_t x = __shfl_up_sync(0xffffffffu, incl, d);
-          if (lane >= d) incl += x;
-        }
+        const int32_t pop = __popc(bits[w0 + lane]), incl = warp_inclusive_scan(pop, lane);
         before[w0 + lane] = uint32_t(carry + incl - pop);
         carry += __shfl_sync(0xffffffffu, incl, 31);
       }
@@ -469,13 +463,7 @@ __global__ void __launch_bounds__(kSmallThreads, 1) small_schedule_kernel(const 
   if (warp == 0) {  // start of each (size, warp) run, sizes descending: lane w scans warp w's runs
     int32_t at = total_full;
     for (int t = per_item - 1; t >= 1; --t) {
-      const int32_t c = tails[lane * kSmallMaxPerItem + t];
-      int32_t incl = c;
-#pragma unroll
-      for (int d = 1; d < 32; d <<= 1) {
-        const int32_t x = __shfl_up_sync(0xffffffffu, incl, d);
-        if (lane >= d) incl += x;
-      }
+      const int32_t c = tails[lane * kSmallMaxPerItem + t], incl = warp_inclusive_scan(c, lane);
       tails[lane * kSmallMaxPerItem + t] = at + incl - c;
       at += __shfl_sync(0xffffffffu, incl, 31);
     }
