@@ -5,11 +5,9 @@ builds.
 
     python bench/experiments/prefill_ab_compare.py OUT base new [more builds]
 """
-import collections
-import glob
-import json
-import os
 import sys
+
+from ab_table import collect, print_table
 
 
 def shape(r):
@@ -19,29 +17,9 @@ def shape(r):
 
 
 def main(out, names):
-    rows = collections.defaultdict(lambda: collections.defaultdict(list))
-    order = []
-    for name in names:
-        for path in sorted(glob.glob(os.path.join(out, f"ab_{name}_[0-9]_*.json"))):
-            for r in json.load(open(path))["results"]:
-                key = (shape(r), r["cache"])
-                if key not in rows:
-                    order.append(key)
-                rows[key][name].append((r["attention"]["ms"], r["step"]["ms"]))
-    first, last = names[0], names[-1]
-    head = ["case", "cache"] + [f"{n} ms" for n in names] + [f"{n} / {first}" for n in names[1:]]
-    head += [f"step {first}", f"step {last}"]
-    print("| " + " | ".join(head) + " |")
-    print("|" + "---|" * len(head))
-    for key in order:
-        got = rows[key]
-        if not all(n in got for n in names):
-            continue
-        best = {n: min(a for a, _ in got[n]) for n in names}
-        step = {n: min(s for _, s in got[n]) for n in names}
-        cells = list(key) + [f"{best[n]:.3f}" for n in names] + [f"{best[n] / best[first]:.3f}" for n in names[1:]]
-        cells += [f"{step[first]:.3f}", f"{step[last]:.3f}"]
-        print("| " + " | ".join(cells) + " |")
+    rows, order = collect(out, names, lambda r: (shape(r), r["cache"]),
+                          lambda r: (r["attention"]["ms"], r["step"]["ms"]))
+    print_table(rows, order, names, ["case", "cache"], list, "ms", 3)
 
 
 if __name__ == "__main__":
