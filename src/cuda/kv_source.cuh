@@ -160,10 +160,10 @@ __device__ __forceinline__ void widen_chunk(const RawChunk& raw, uint32_t (&out)
 
 // Brings the K (with `keys`) and V rows of a key block (rows 0 .. nkeys - 1; NVFP4 block
 // scales not included) into L2, spread over the 32 lanes of a warp: the loads of the block
-// that follow find them there instead of waiting on DRAM. A side whose rows are contiguous (a paged
-// cache's page of one head) is one bulk prefetch by lane 0; strided rows (packed K / V, whose
-// heads interleave) are prefetched line by line from every lane. Per-row bulk prefetches would
-// queue one TMA operation per row ahead of the Q tiles' loads.
+// that follow find them there instead of waiting on DRAM. A side whose rows are contiguous (a
+// paged cache's page of one head) is one bulk prefetch by lane 0; strided rows (packed K / V,
+// whose heads interleave) are prefetched line by line from every lane. Per-row bulk
+// prefetches would queue one TMA operation per row ahead of the Q tiles' loads.
 template <KvSourceKind Kind>
 __device__ __forceinline__ void prefetch_key_block(const KvSource& s, const KeyBlockRows& rows, int nkeys, int lane,
                                                    bool keys = true) {

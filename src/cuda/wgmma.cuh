@@ -107,22 +107,21 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&d)[16][4], const uin
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate), "n"(kTransB));
 }
 
-// d (64 x 64) = (accumulate ? d : 0) + A (64 x 16) B (16 x 64), A from registers as in
-// wgmma_m64n128k16_rs and B read MN-major (tile_desc_mn: the tile's rows are the reduction
-// dimension), e.g. O += P V with V's tokens as rows; bf16 operands, or f16 with kF16.
+// d (64 x 64) = d + A (64 x 16) B (16 x 64), A from registers as in wgmma_m64n128k16_rs and B
+// read MN-major (tile_desc_mn: the tile's rows are the reduction dimension), e.g. O += P V with
+// V's tokens as rows; bf16 operands, or f16 with kF16.
 template <bool kF16 = false>
-__device__ __forceinline__ void wgmma_m64n64k16_rs_mn(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db,
-                                                      int accumulate = 1) {
+__device__ __forceinline__ void wgmma_m64n64k16_rs_mn(float (&d)[8][4], const uint32_t (&a)[4], uint64_t db) {
   if constexpr (kF16)
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+    asm volatile("{\n.reg .pred p;\nsetp.eq.b32 p, 1, 1;\n"
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " MSA_WGMMA_D64_LIST ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
                  : MSA_WGMMA_D64_OPERANDS(d)
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
   else
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+    asm volatile("{\n.reg .pred p;\nsetp.eq.b32 p, 1, 1;\n"
                  "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 " MSA_WGMMA_D64_LIST ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
                  : MSA_WGMMA_D64_OPERANDS(d)
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(accumulate));
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
 
 // S (64 x n) = A B^T over the 128 columns of two tiles: warpgroup rows a_row0.. of tile a,
