@@ -18,8 +18,9 @@
 // Key blocks of bf16 sources land by TMA: the producer loads the K tile of the next block into
 // a second K tile while the consumers still work on the current one; the consumers request V
 // when they switch blocks and wait for it only before the first P V (V is read MN-major, as
-// stored). Quantised sources are widened by the consumers when the block changes (V
-// transposed on the way, read K-major).
+// stored). Quantised sources are widened by the consumers when the block changes, into the same
+// tile layout: FP8 codes from a raw stage the producer has TMA fill ahead of use, NVFP4 from
+// global memory.
 //
 // The key blocks come from a KvSource (kv_source.cuh): the packed K / V of training, or a paged
 // cache (bf16, FP8, NVFP4) for paged prefill; the kernel is the same, the source its policy.
@@ -121,56 +122,70 @@ __device__ __forceinline__ TaskBlock load_block(const TaskBlock* src) {
 struct alignas(1024) Tile {
   unsigned char bytes[kTileBytes];
 };
-// Key block u (the u-th block change of the CTA's task walk, counted alike by producer and
-// consumers) has its K in tile u % KTiles: bf16 sources keep two (the next block's K lands
-// while the current one is in use), widened sources one, which leaves the SM's L1 cache the
-// 32 KB that their loads go through.
-template <int KTiles>
+// The tiles of one kernel instance, in this order: K tiles, the V tile, the Q stages, raw
+// stages. Key block u (the u-th block change of the CTA's task walk, counted alike by producer
+// and consumers) has its K in K tile u % KTiles: bf16 sources keep two (the next block's K lands
+// while the current one is in use), widened sources one. FP8 sources add one raw stage, where
+// the producer has TMA land the next block's codes (K rows, then V rows: 128 bytes a key each,
+// 128-byte swizzle) for the consumers to widen at the block change.
+template <KvSourceKind Kind>
+struct TilePlan {
+  static constexpr int kKTiles = kTmaSource<Kind> ? 2 : 1;
+  static constexpr int kRawStages = kRawStagedSource<Kind> ? 1 : 0;
+  static constexpr int kV = kKTiles, kQ = kKTiles + 1, kRaw = kQ + kQStages;
+  static constexpr int kTiles = kRaw + kRawStages;
+};
+constexpr int kRawSideBytes = kBlock * model::kHeadDim;  // one side's FP8 codes in a raw stage
+
+template <int NTiles>
 struct SharedStorage {
-  Tile k[KTiles];         // K of the resident key block (and of the next one; rows = keys)
-  Tile v;                 // V of the resident key block: as stored (TMA sources) or V^T (widened ones)
-  Tile q[kQStages];       // Q rows of a task (query w: rows 16w..); reused for its outputs
+  Tile tiles[NTiles];     // TilePlan's order
   MetaStage meta[kQStages];
   uint64_t full[kQStages];   // mbarrier: stage s holds a task (the producers' TMA bytes landed)
   uint64_t empty[kQStages];  // mbarrier: the consumers are done with stage s
   uint64_t k_full[2];        // mbarrier: K tile b landed (TMA sources)
   uint64_t k_empty[2];       // mbarrier: the consumers are done with K tile b (TMA sources)
   uint64_t v_full;           // mbarrier: the V tile landed (TMA sources)
+  uint64_t raw_full;         // mbarrier: the raw stage holds the next block's codes (raw-staged sources)
+  uint64_t raw_empty;        // mbarrier: the consumers have widened the raw stage's block
   uint32_t nonfinite_keys[kBlock / 32];  // keys of the resident block with an inf / NaN value
   float key_scale[kBlock];    // FP8 per-token scales of the resident block's keys (K, V)
   float value_scale[kBlock];
 };
 template <KvSourceKind Kind>
-inline constexpr int kKTiles = kTmaSource<Kind> ? 2 : 1;
-static_assert(offsetof(SharedStorage<2>, q) == 3 * kTileBytes && alignof(SharedStorage<2>) == 1024);
-static_assert(offsetof(SharedStorage<2>, full) % 8 == 0 && sizeof(MetaStage) % 16 == 0);
+using StorageOf = SharedStorage<TilePlan<Kind>::kTiles>;
+static_assert(offsetof(SharedStorage<7>, full) % 8 == 0 && sizeof(MetaStage) % 16 == 0 && alignof(SharedStorage<7>) == 1024);
 template <KvSourceKind Kind>
-inline constexpr int kSmemBytes = int(sizeof(SharedStorage<kKTiles<Kind>>)) + 1024;  // + slack to align the base
+inline constexpr int kSmemBytes = int(sizeof(StorageOf<Kind>)) + 1024;  // + slack to align the base
 static_assert(kSmemBytes<KvSourceKind::paged_bf16> <= 227 * 1024, "over the 227 KB of shared memory a CTA can have");
+static_assert(kSmemBytes<KvSourceKind::paged_fp8> <= 227 * 1024, "over the 227 KB of shared memory a CTA can have");
 
-// SharedStorage at a 1024-aligned shared address: TMA, wgmma descriptors and mbarriers take
-// 32-bit shared addresses, the metadata is read through the pointer.
-template <int KTiles>
+// The shared storage at a 1024-aligned shared address: TMA, wgmma descriptors and mbarriers
+// take 32-bit shared addresses, the metadata is read through the pointer.
+template <KvSourceKind Kind>
 struct Smem {
-  using Storage = SharedStorage<KTiles>;
+  using Plan = TilePlan<Kind>;
+  using Storage = StorageOf<Kind>;
   uint32_t base;
   Storage* ptr;
-  __device__ uint32_t k(int b) const { return base + uint32_t(offsetof(Storage, k)) + (b % KTiles) * kTileBytes; }
-  __device__ uint32_t v() const { return base + uint32_t(offsetof(Storage, v)); }
-  __device__ uint32_t q(int stage) const { return base + uint32_t(offsetof(Storage, q)) + stage * kTileBytes; }
-  __device__ uint32_t full(int stage) const { return base + uint32_t(offsetof(Storage, full)) + 8 * stage; }
-  __device__ uint32_t empty(int stage) const { return base + uint32_t(offsetof(Storage, empty)) + 8 * stage; }
-  __device__ uint32_t k_full(int b) const { return base + uint32_t(offsetof(Storage, k_full)) + 8 * b; }
-  __device__ uint32_t k_empty(int b) const { return base + uint32_t(offsetof(Storage, k_empty)) + 8 * b; }
-  __device__ uint32_t v_full() const { return base + uint32_t(offsetof(Storage, v_full)); }
+  __device__ uint32_t tile(int i) const { return base + i * kTileBytes; }
+  __device__ uint32_t k(int b) const { return tile(b % Plan::kKTiles); }
+  __device__ uint32_t v() const { return tile(Plan::kV); }
+  __device__ uint32_t q(int stage) const { return tile(Plan::kQ + stage); }
+  __device__ uint32_t raw() const { return tile(Plan::kRaw); }
+  __device__ uint32_t bar(size_t offset) const { return base + uint32_t(offset); }
+  __device__ uint32_t full(int stage) const { return bar(offsetof(Storage, full)) + 8 * stage; }
+  __device__ uint32_t empty(int stage) const { return bar(offsetof(Storage, empty)) + 8 * stage; }
+  __device__ uint32_t k_full(int b) const { return bar(offsetof(Storage, k_full)) + 8 * b; }
+  __device__ uint32_t k_empty(int b) const { return bar(offsetof(Storage, k_empty)) + 8 * b; }
+  __device__ uint32_t v_full() const { return bar(offsetof(Storage, v_full)); }
+  __device__ uint32_t raw_full() const { return bar(offsetof(Storage, raw_full)); }
+  __device__ uint32_t raw_empty() const { return bar(offsetof(Storage, raw_empty)); }
   __device__ MetaStage& meta(int stage) const { return ptr->meta[stage]; }
   __device__ uint32_t* nonfinite_keys() const { return ptr->nonfinite_keys; }
   __device__ float* key_scale() const { return ptr->key_scale; }
   __device__ float* value_scale() const { return ptr->value_scale; }
 };
-
-template <KvSourceKind Kind>
-using SmemOf = Smem<kKTiles<Kind>>;
 
 struct ForwardArgs {
   KvSource kv;             // K / V: packed [Tk, Hkv, 128] bf16 or a paged cache
@@ -229,7 +244,7 @@ __device__ TaskMeta fetch_task(const ForwardArgs& a, int64_t task, int pw) {
   m.g = it.head_kv, m.b = it.document, m.j = it.kv_block;
   const int q_begin = it.q_begin, q_count = it.q_count;
   const DocInfo d = a.docs[m.b];
-  if (kTmaSource<Kind> && pw == 0) {
+  if (kProducerCopiedSource<Kind> && pw == 0) {
     if constexpr (Kind == KvSourceKind::packed_bf16) m.src = d.k_start + m.j * kBlock;
     else m.src = a.kv.page_table[int64_t(m.b) * a.kv.max_pages + m.j];
   }
@@ -299,30 +314,37 @@ __device__ __forceinline__ void load_block_side(uint32_t tile, const CUtensorMap
 
 // Producer warp 0 at the first task of key block u. A bf16 source's K lands in tile u % 2 once
 // the consumers are done with block u - 2 (the tile's previous block), while they still work on
-// block u - 1; its V goes to L2 for the consumers' TMA load at the block change. A quantised
-// source's K and V go to L2 for the consumers' widening loads.
+// block u - 1; its V goes to L2 for the consumers' TMA load at the block change. An FP8
+// source's codes of both sides land in the raw stage once the consumers have widened block
+// u - 1 from it (they do so when they enter it). NVFP4 K and V go to L2 for the consumers'
+// widening loads.
 template <KvSourceKind Kind>
-__device__ void stage_key_block(const ForwardArgs& a, const CUtensorMap* k_map, const SmemOf<Kind>& sm,
-                                const TaskBlock& blk, int u, int lane) {
-  if constexpr (kTmaSource<Kind>) {
-    if (lane == 0) {
-      const int b = u & 1;
-      if (u >= 2) mbar_wait(sm.k_empty(b), ((u - 2) >> 1) & 1);
-      mbar_arrive_expect_tx(sm.k_full(b), kTileBytes);
-      load_block_side<Kind>(sm.k(b), k_map, blk, sm.k_full(b));
-    }
-  }
+__device__ void stage_key_block(const ForwardArgs& a, const CUtensorMap* k_map, const CUtensorMap* v_map,
+                                const Smem<Kind>& sm, const TaskBlock& blk, int u, int lane) {
   const DocInfo d = a.docs[blk.document];
   const int nkeys = min(kBlock, d.k_len - blk.kv_block * kBlock);
   prefetch_key_block<Kind>(a.kv, key_block_rows<Kind>(a.kv, blk.document, d.k_start, blk.head_kv, blk.kv_block), nkeys,
                            lane, !kTmaSource<Kind>);
+  if (lane != 0) return;
+  if constexpr (kTmaSource<Kind>) {
+    const int b = u & 1;
+    if (u >= 2) mbar_wait(sm.k_empty(b), ((u - 2) >> 1) & 1);
+    mbar_arrive_expect_tx(sm.k_full(b), kTileBytes);
+    load_block_side<Kind>(sm.k(b), k_map, blk, sm.k_full(b));
+  } else if constexpr (kRawStagedSource<Kind>) {
+    if (u >= 1) mbar_wait(sm.raw_empty(), (u - 1) & 1);
+    mbar_arrive_expect_tx(sm.raw_full(), 2 * kRawSideBytes);
+    const uint64_t policy = l2_evict_normal();
+    tma_load_4d(sm.raw(), k_map, 0, 0, blk.head_kv, blk.source, sm.raw_full(), policy);
+    tma_load_4d(sm.raw() + kRawSideBytes, v_map, 0, 0, blk.head_kv, blk.source, sm.raw_full(), policy);
+  }
 }
 
 // Producer warp pw's whole share: the CTA's tasks in order, four stages ahead of the consumers.
 // Warp 0 also stages each new key block (stage_key_block) when its first task is staged.
 template <KvSourceKind Kind>
 __device__ void run_producer(const ForwardArgs& a, const CUtensorMap* q_map, const CUtensorMap* k_map,
-                             const CtaTasks& tasks, int64_t ntasks, const SmemOf<Kind>& sm, int pw, int lane) {
+                             const CUtensorMap* v_map, const CtaTasks& tasks, int64_t ntasks, const Smem<Kind>& sm, int pw, int lane) {
   TaskBlock staged{-1, -1, -1, 0};
   int u = -1;  // key blocks staged so far, minus one
   for (int64_t n0 = 0; n0 < ntasks; n0 += 32) {
@@ -336,7 +358,7 @@ __device__ void run_producer(const ForwardArgs& a, const CUtensorMap* q_map, con
         const TaskBlock blk{__shfl_sync(0xffffffffu, mine.g, k), __shfl_sync(0xffffffffu, mine.b, k),
                             __shfl_sync(0xffffffffu, mine.j, k), __shfl_sync(0xffffffffu, mine.src, k)};
         if (!blk.same(staged)) {
-          stage_key_block<Kind>(a, k_map, sm, blk, ++u, lane);
+          stage_key_block<Kind>(a, k_map, v_map, sm, blk, ++u, lane);
           staged = blk;
         }
       }
@@ -348,93 +370,82 @@ __device__ void run_producer(const ForwardArgs& a, const CUtensorMap* q_map, con
 
 // ---- consumer: key block, S = Q K^T, softmax, O = P V -------------------------------------
 
-// Loads key block j of head g of a quantised source, widened to bf16, into `k_tile` (rows =
-// keys) and V transposed into the V tile (rows = dims, columns = keys: P V reads it K-major).
-// Keys past the document end are zero. Runs (by the consumers) once per block change. FP8
-// per-token scales of the block's keys go to key_scale / value_scale (0 past the end).
-//
 // Non-finite values: a key past a row's causal limit gets P = 0, but 0 * inf or NaN in the
 // shared V tile would still reach the row (the tile serves queries with different limits).
 // So an inf or NaN value is stored as 0, its key is marked in `nonfinite_keys` (cleared
 // beforehand), and the rows that do see the key add P * value for it afterwards
-// (add_nonfinite_values). Returns whether this thread met such a value. A K value needs no
-// care: a masked score is replaced by -inf, whatever it was.
-template <KvSourceKind Kind>
-__device__ bool load_key_block(const ForwardArgs& a, const TaskBlock& blk, const SmemOf<Kind>& sm, uint32_t k_tile,
-                               int tid) {
+// (add_nonfinite_values). A K value needs no care: a masked score is replaced by -inf,
+// whatever it was.
+//
+// Every source's tiles have the same layout: rows = keys, 128-byte swizzle (as TMA lands a bf16
+// block), so S reads K K-major and P V reads V MN-major.
+
+// The FP8 per-token scales of a key block's keys (0 past the end), read by threads 0..127 into
+// registers first (`fetch`) and stored after the widening (`store`), so that their latency
+// overlaps it.
+struct TokenScales {
+  float k = 0.f, v = 0.f;
+  __device__ void fetch(const KvSource& kv, const KeyBlockRows& rows, int g, int nkeys, int tid) {
+    if (kv.k_token_scale != nullptr && tid < kBlock && tid < nkeys) {
+      k = kv.k_token_scale[g * kv.k_token_stride + rows.slot0 + tid];
+      v = kv.v_token_scale[g * kv.v_token_stride + rows.slot0 + tid];
+    }
+  }
+  template <KvSourceKind Kind>
+  __device__ void store(const KvSource& kv, const Smem<Kind>& sm, int tid) const {
+    if (kv.k_token_scale != nullptr && tid < kBlock) sm.key_scale()[tid] = k, sm.value_scale()[tid] = v;
+  }
+};
+
+// Widens one side of a key block of an NVFP4 source from global memory into `tile` (keys past
+// nkeys zero). With kValues, inf / NaN values are zeroed and their keys marked (see above);
+// returns whether this thread met one.
+template <KvSourceKind Kind, bool kValues>
+__device__ bool widen_side_from_global(const Smem<Kind>& sm, const uint8_t* rows, int64_t row_stride,
+                                       const uint8_t* scales, int64_t scale_row, uint32_t tile, int nkeys, int tid) {
   constexpr int kChunks = kSourceChunks<Kind>;      // 16-byte source chunks of a row
   constexpr int kOut = kWidened<Kind> / 8;          // 16-byte bf16 chunks one source chunk gives
   static_assert(kChunks * kOut == kRowChunks);
-  const DocInfo d = a.docs[blk.document];
-  const int key0 = blk.kv_block * kBlock;
-  const int nkeys = min(kBlock, d.k_len - key0);
-  const KeyBlockRows rows = key_block_rows<Kind>(a.kv, blk.document, d.k_start, blk.head_kv, blk.kv_block);
-  if constexpr (Kind == KvSourceKind::paged_fp8) {
-    if (a.kv.k_token_scale != nullptr && tid < kBlock) {
-      const bool in = tid < nkeys;
-      const int64_t slot = rows.slot0 + tid;
-      sm.key_scale()[tid] = in ? a.kv.k_token_scale[blk.head_kv * a.kv.k_token_stride + slot] : 0.f;
-      sm.value_scale()[tid] = in ? a.kv.v_token_scale[blk.head_kv * a.kv.v_token_stride + slot] : 0.f;
-    }
-  }
-  // All of this thread's chunks of a side are requested before any is stored (the shared-memory
-  // stores are ordered after earlier loads): one wait on memory per side, not one per chunk.
-  constexpr int kPerThread = kBlock * kChunks / kConsumers;  // chunks per side per thread
+  // All of this thread's chunks are requested before any is stored (the shared-memory stores
+  // are ordered after earlier loads): one wait on memory per side, not one per chunk.
+  constexpr int kPerThread = kBlock * kChunks / kConsumers;
   static_assert(kBlock * kChunks % kConsumers == 0);
   RawChunk raw[kPerThread];
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) {
     const int c = tid + i * kConsumers;
     const int key = c / kChunks, ch = c % kChunks;
-    raw[i] = load_raw_chunk<Kind>(rows.k + key * a.kv.k_row, rows.ksf + key * a.kv.ksf_row, ch, key < nkeys);
+    raw[i] = load_raw_chunk<Kind>(rows + key * row_stride, scales + key * scale_row, ch, key < nkeys);
   }
+  bool any_nonfinite = false;
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) {
     const int c = tid + i * kConsumers;
     const int key = c / kChunks, ch = c % kChunks;
     uint32_t x[kWidened<Kind> / 2];
     widen_chunk<Kind>(raw[i], x);
+    if constexpr (kValues) {
+      uint32_t signs = 0;
+#pragma unroll
+      for (int w = 0; w < kWidened<Kind> / 2; ++w) signs |= nonfinite_bf16x2_signs(x[w]);
+      if (signs != 0) {  // rare: masking and shared-memory atomics only then
+#pragma unroll
+        for (int w = 0; w < kWidened<Kind> / 2; ++w) x[w] &= ~nonfinite_bf16x2(x[w]);
+        atomicOr(&sm.nonfinite_keys()[key >> 5], 1u << (key & 31));
+        any_nonfinite = true;
+      }
+    }
 #pragma unroll
     for (int o = 0; o < kOut; ++o)
-      st_shared_v4(k_tile + tile_offset(kTileRows, key, kOut * ch + o), x[4 * o], x[4 * o + 1], x[4 * o + 2], x[4 * o + 3]);
-  }
-  // V^T: a warp covers 32 consecutive keys of one chunk column, so its 2-byte stores hit one row.
-#pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    const int c = tid + i * kConsumers;
-    const int key = c & (kBlock - 1), ch = c >> 7;  // kBlock keys per chunk column
-    raw[i] = load_raw_chunk<Kind>(rows.v + key * a.kv.v_row, rows.vsf + key * a.kv.vsf_row, ch, key < nkeys);
-  }
-  bool any_nonfinite = false;
-#pragma unroll
-  for (int i = 0; i < kPerThread; ++i) {
-    const int c = tid + i * kConsumers;
-    const int key = c & (kBlock - 1), ch = c >> 7;
-    uint32_t words[kWidened<Kind> / 2];
-    widen_chunk<Kind>(raw[i], words);
-    uint32_t signs = 0;
-#pragma unroll
-    for (int w = 0; w < kWidened<Kind> / 2; ++w) signs |= nonfinite_bf16x2_signs(words[w]);
-    if (signs != 0) {  // rare: masking and shared-memory atomics only then
-#pragma unroll
-      for (int w = 0; w < kWidened<Kind> / 2; ++w) words[w] &= ~nonfinite_bf16x2(words[w]);
-      atomicOr(&sm.nonfinite_keys()[key >> 5], 1u << (key & 31));
-      any_nonfinite = true;
-    }
-#pragma unroll
-    for (int e = 0; e < kWidened<Kind>; ++e) {
-      const int dim = ch * kWidened<Kind> + e;
-      const uint32_t addr = sm.v() + tile_offset(kTileRows, dim, key >> 3) + (key & 7) * 2;
-      const uint16_t h = uint16_t(words[e >> 1] >> (16 * (e & 1)));
-      asm volatile("st.shared.u16 [%0], %1;\n" ::"r"(addr), "h"(h) : "memory");
-    }
+      st_shared_v4(tile + tile_offset(kTileRows, key, kOut * ch + o), x[4 * o], x[4 * o + 1], x[4 * o + 2], x[4 * o + 3]);
   }
   return any_nonfinite;
 }
 
-// The V tile of a TMA source once it has landed: inf / NaN values become 0 and their keys are
-// marked, as load_key_block does for widened sources. Returns whether this thread met one.
-__device__ bool scrub_values(const Smem<2>& sm, int tid) {
+// The V tile once it holds bf16 values (landed by TMA, or widened from FP8 codes that include a
+// NaN): inf / NaN values become 0 and their keys are marked. Returns whether this thread met one.
+template <KvSourceKind Kind>
+__device__ bool scrub_values(const Smem<Kind>& sm, int tid) {
   constexpr int kPerThread = kTileBytes / 16 / kConsumers;  // 16-byte chunks of the tile a thread checks
   uint4 w[kPerThread];
 #pragma unroll
@@ -456,6 +467,40 @@ __device__ bool scrub_values(const Smem<2>& sm, int tid) {
   return any_nonfinite;
 }
 
+// Widens key block `blk` of a quantised source into the K tile `k_tile` and the V tile, by the
+// consumers at the block change: FP8 codes from the raw stage (once they have landed; the stage
+// goes back to the producer here), NVFP4 from global memory. FP8 per-token scales go to
+// key_scale / value_scale. Returns whether the block holds a non-finite value (CTA-uniform);
+// the tiles are then visible to the tensor cores.
+template <KvSourceKind Kind>
+__device__ bool widen_key_block(const ForwardArgs& a, const TaskBlock& blk, const Smem<Kind>& sm, uint32_t k_tile,
+                                int u, int tid) {
+  const DocInfo d = a.docs[blk.document];
+  const int nkeys = min(kBlock, d.k_len - blk.kv_block * kBlock);
+  const KeyBlockRows rows = key_block_rows<Kind>(a.kv, blk.document, d.k_start, blk.head_kv, blk.kv_block);
+  if constexpr (kRawStagedSource<Kind>) {
+    TokenScales scales;
+    scales.fetch(a.kv, rows, blk.head_kv, nkeys, tid);
+    mbar_wait(sm.raw_full(), u & 1);
+    inference::widen_fp8_side<kConsumers, false, false>(sm.raw(), k_tile, tid, nkeys);
+    const bool nan = inference::widen_fp8_side<kConsumers, false, true>(sm.raw() + kRawSideBytes, sm.v(), tid, nkeys);
+    scales.store(a.kv, sm, tid);
+    fence_proxy_async();  // the widened tiles are read by wgmma
+    const bool any_nan = sync_barrier_or(ForwardBarrier::kKeyBlock, kConsumers, nan);
+    if (tid == 0) mbar_arrive(sm.raw_empty());  // every consumer has read the raw stage
+    if (!any_nan) return false;
+    const bool mine = scrub_values(sm, tid);  // rare: a NaN code among the values
+    fence_proxy_async();
+    return sync_barrier_or(ForwardBarrier::kKeyBlock, kConsumers, mine);
+  } else {
+    widen_side_from_global<Kind, false>(sm, rows.k, a.kv.k_row, rows.ksf, a.kv.ksf_row, k_tile, nkeys, tid);
+    const bool mine =
+        widen_side_from_global<Kind, true>(sm, rows.v, a.kv.v_row, rows.vsf, a.kv.vsf_row, sm.v(), nkeys, tid);
+    fence_proxy_async();
+    return sync_barrier_or(ForwardBarrier::kKeyBlock, kConsumers, mine);
+  }
+}
+
 // Where the warp's P (16 rows x 128 keys, bf16) is staged when the block holds a non-finite
 // value: its own rows of the Q stage, free once S is computed and not yet holding the outputs
 // (keys 0..63 in the first box, 64..127 in the second, 128 bytes a row).
@@ -473,7 +518,7 @@ __device__ void stage_p(const uint32_t (&p)[kKSteps][4], uint32_t qs, int warp, 
     }
 }
 
-// The rare path of a block with non-finite values (load_key_block): O holds P V with those
+// The rare path of a block with non-finite values (widen_key_block, scrub_values): O holds P V with those
 // values as 0; each row adds P * value for the non-finite values of the keys it sees (its
 // query's limit), read again from the source, which is what P V over the original values gives
 // for them (NaN, or +-inf). Keys the query does not see are never touched.
@@ -510,7 +555,6 @@ __device__ void add_nonfinite_values(const ForwardArgs& a, float (&o)[kNFrags][4
   }
   __syncwarp();  // before the output rows overwrite the staged P
 }
-static_assert(kRowChunks == 16 && kBlock == 128, "load_key_block's shifts");
 
 // Issues S = Q K^T for warpgroup wg's 4 queries of a task (q_desc: rows 64wg.. of the Q
 // stage) against the resident key tile; does not wait.
@@ -522,16 +566,13 @@ __device__ __forceinline__ void issue_scores(float (&s)[kNFrags][4], uint64_t q_
   wgmma_commit();
 }
 
-// Issues O = P V (P from registers) over the V tile: V as landed (keys are its rows, read
-// MN-major) or V^T (kVt: dims are its rows, read K-major); does not wait.
-template <bool kVt>
+// Issues O = P V (P from registers) over the V tile (keys are its rows, read MN-major); does
+// not wait.
 __device__ __forceinline__ void issue_pv(float (&o)[kNFrags][4], const uint32_t (&p)[kKSteps][4], uint32_t v_tile) {
   wgmma_fence();
 #pragma unroll
-  for (int kt = 0; kt < kKSteps; ++kt) {
-    if constexpr (kVt) wgmma_m64n128k16_rs(o, p[kt], sw128_desc(v_tile) + tile_desc_step(kTileRows, kt), kt > 0);
-    else wgmma_m64n128k16_rs<1>(o, p[kt], tile_desc_mn_x128(v_tile, kTileRows, kt), kt > 0);
-  }
+  for (int kt = 0; kt < kKSteps; ++kt)
+    wgmma_m64n128k16_rs<1>(o, p[kt], tile_desc_mn_x128(v_tile, kTileRows, kt), kt > 0);
   wgmma_commit();
 }
 
@@ -649,7 +690,7 @@ __device__ __forceinline__ void store_partial(const ForwardArgs& a, const CUtens
 // stored, the tensor cores already compute S of task n + 1 (when it reads the same key block).
 template <KvSourceKind Kind>
 __device__ void run_consumer(const ForwardArgs& a, const CUtensorMap* part_map, const CUtensorMap* v_map, int ntasks,
-                             const SmemOf<Kind>& sm, int tid) {
+                             const Smem<Kind>& sm, int tid) {
   const int warp = tid >> 5, lane = tid & 31;
   const int wg = warp >> 2, t4 = lane & 3;
   TaskBlock loaded{-1, -1, -1, 0};
@@ -663,9 +704,9 @@ __device__ void run_consumer(const ForwardArgs& a, const CUtensorMap* part_map, 
     fence_proxy_async();  // the cp.async rows are read by wgmma next
     return load_block(&sm.meta(n % kQStages).block);
   };
-  // Enters key block `blk`: a TMA source's K was staged by the producer (the old block's K tile
-  // goes back to it) and its V is requested here, waited for before the first P V
-  // (finish_values); a quantised source's tiles are loaded here.
+  // Enters key block `blk` (its u-th): a TMA source's K was staged by the producer (the old
+  // block's K tile goes back to it) and its V is requested here, waited for before the first
+  // P V (finish_values); a quantised source's tiles are widened here.
   auto load_block_tiles = [&](const TaskBlock& blk) {
     sync_barrier(ForwardBarrier::kKeyBlock, kConsumers);  // every consumer is done with the old block
     if (loaded_nonfinite) {  // rare: clear the old block's marks before any new one is set
@@ -685,9 +726,7 @@ __device__ void run_consumer(const ForwardArgs& a, const CUtensorMap* part_map, 
       loaded_nonfinite = false;
       values_pending = true;
     } else {
-      const bool mine = load_key_block<Kind>(a, blk, sm, sm.k(u & 1), tid);
-      fence_proxy_async();
-      loaded_nonfinite = sync_barrier_or(ForwardBarrier::kKeyBlock, kConsumers, mine);
+      loaded_nonfinite = widen_key_block<Kind>(a, blk, sm, sm.k(u & 1), u, tid);
     }
   };
   // TMA sources, before the first P V of a block: V has landed; its non-finite values are set
@@ -728,7 +767,7 @@ __device__ void run_consumer(const ForwardArgs& a, const CUtensorMap* part_map, 
     finish_values();
     if (loaded_nonfinite) stage_p(p, qs, warp, lane);
     float o[kNFrags][4];
-    issue_pv<!kTmaSource<Kind>>(o, p, sm.v());
+    issue_pv(o, p, sm.v());
     // S of the next task goes to the tensor cores now if its key block is already resident;
     // otherwise an empty group keeps the wait below the same on every path.
     const bool more = __all_sync(0xffffffffu, n + 1 < ntasks);
@@ -775,7 +814,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (ntasks == 0) return;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const uint32_t base = align1024(smem_addr(smem));
-  const SmemOf<Kind> sm{base, reinterpret_cast<typename SmemOf<Kind>::Storage*>(smem + (base - smem_addr(smem)))};
+  const Smem<Kind> sm{base, reinterpret_cast<typename Smem<Kind>::Storage*>(smem + (base - smem_addr(smem)))};
   if (tid == 0) {
     for (int i = 0; i < kQStages; ++i) {
       mbar_init(sm.full(i), kProducerWarps);  // lane 0 of each producer warp (with its TMA bytes)
@@ -786,13 +825,15 @@ __global__ void __launch_bounds__(kThreads, 1)
       mbar_init(sm.k_empty(b), 1);  // consumer thread 0, after the consumers' barrier
     }
     mbar_init(sm.v_full(), 1);      // consumer thread 0's expect_tx, with the TMA bytes
+    mbar_init(sm.raw_full(), 1);    // the producer's expect_tx, with the TMA bytes
+    mbar_init(sm.raw_empty(), 1);   // consumer thread 0, after the consumers' barrier
     for (int i = 0; i < kBlock / 32; ++i) sm.nonfinite_keys()[i] = 0;
   }
   __syncthreads();
 
   if (warp >= kConsumerWarps) {
     setmaxnreg_dec<kProducerRegs>();
-    run_producer<Kind>(a, &q_map, &k_map, tasks, ntasks, sm, warp - kConsumerWarps, lane);
+    run_producer<Kind>(a, &q_map, &k_map, &v_map, tasks, ntasks, sm, warp - kConsumerWarps, lane);
     return;
   }
   setmaxnreg_inc<kConsumerRegs>();
@@ -888,9 +929,9 @@ __global__ void __launch_bounds__(kMergeThreads, 4)
   if (chunk == 0) lse[qh] = result_lse;
 }
 
-// TMA maps of a bf16 source's K and V sides (empty maps for quantised sources, which the kernel
-// reads without TMA): packed [tokens, Hkv, 128] in blocks of 128 tokens of one head, or paged
-// [pages, Hkv, 128, 128] a page of one head at a time.
+// TMA maps of a source's K and V sides: bf16 packed [tokens, Hkv, 128] in blocks of 128 tokens
+// of one head, bf16 or FP8 paged [pages, Hkv, 128, 128] a page of one head at a time (empty
+// maps for NVFP4, which the kernel reads without TMA).
 struct KvMaps {
   CUtensorMap k{}, v{};
 };
@@ -904,6 +945,9 @@ KvMaps kv_maps(const ForwardLaunch& f) {
   } else if (f.kind == KvSourceKind::paged_bf16) {
     m.k = paged_cache_map(kv.k, f.k_extent, f.Hkv, kRowBytes, kv.k_page, kv.k_head, kv.k_row, "k_cache");
     m.v = paged_cache_map(kv.v, f.v_extent, f.Hkv, kRowBytes, kv.v_page, kv.v_head, kv.v_row, "v_cache");
+  } else if (f.kind == KvSourceKind::paged_fp8) {  // whole 128-byte rows of codes, unswizzled
+    m.k = paged_cache_map(kv.k, f.k_extent, f.Hkv, kDim, kv.k_page, kv.k_head, kv.k_row, "k_cache");
+    m.v = paged_cache_map(kv.v, f.v_extent, f.Hkv, kDim, kv.v_page, kv.v_head, kv.v_row, "v_cache");
   }
   return m;
 }

@@ -15,7 +15,7 @@ namespace msa::cuda {
 struct ForwardLaunch {
   KvSourceKind kind = KvSourceKind::packed_bf16;
   KvSource kv;
-  int64_t k_extent = 0, v_extent = 0;  // bf16 sources' TMA extents: packed K / V tokens, or cache pages
+  int64_t k_extent = 0, v_extent = 0;  // TMA extents (bf16, FP8 sources): packed K / V tokens, or cache pages
   TensorView q;                       // [Tq, Hq, 128] bf16; token / head strides multiples of 8
   // The schedule (SparsePlan's buffers, include/msa/ops.h):
   const WorkItem* schedule = nullptr;  // [capacity]

@@ -29,6 +29,13 @@ inline constexpr bool kQuantisedSource = Kind == KvSourceKind::paged_fp8 || Kind
 // bf16 sources: their blocks are the kernels' tiles as stored, so TMA can copy them.
 template <KvSourceKind Kind>
 inline constexpr bool kTmaSource = !kQuantisedSource<Kind>;
+// FP8 pages: TMA copies a block's codes (one 128-byte row a key) into shared memory ahead of
+// use, and the kernel widens them from there. NVFP4 blocks are widened from global memory.
+template <KvSourceKind Kind>
+inline constexpr bool kRawStagedSource = Kind == KvSourceKind::paged_fp8;
+// Sources whose blocks the kernel's producer copies with TMA, and so locates.
+template <KvSourceKind Kind>
+inline constexpr bool kProducerCopiedSource = kTmaSource<Kind> || kRawStagedSource<Kind>;
 
 // Addresses of one source (byte strides). Packed: page stride unused, head stride = one row
 // of 128 bf16, row stride = Hkv rows.
