@@ -28,6 +28,7 @@
 // Non-finite isolation: a key a row does not attend to never changes it. Masked scores are
 // set to -inf by selection; inf / NaN values in V are kept out of the shared V tile and
 // added back only to the rows that see their keys (scrub_values, load_key_block).
+#include <cfloat>
 #include <cstddef>
 
 #include "attention_state.h"
@@ -742,16 +743,31 @@ __device__ void run_consumer(const ForwardArgs& a, const CUtensorMap* part_map, 
       }
     }
   };
-  // Quantised sources' scales (kv_source.cuh): uniform over the kernel, or per key in shared memory.
-  float k_tensor = 1.f, v_tensor = 1.f;
+  float s[kNFrags][4];
+  // Quantised sources' scales (kv_source.cuh). A per-tensor K scale that is positive and finite
+  // (as the contract asks; a device value is not checked on the host) folds into the softmax's
+  // scale, and the merge applies the per-tensor V scale: no work per element. Per-token scales
+  // (in shared memory), or an unusable K scale, are applied to each logit and probability.
+  float scale_log2 = a.scale_log2, k_tensor = 1.f;
   const float* key_scales = nullptr;
   const float* value_scales = nullptr;
+  bool per_element = false;
   if constexpr (kQuantisedSource<Kind>) {
-    if (a.kv.k_tensor_scale != nullptr) k_tensor = *a.kv.k_tensor_scale, v_tensor = *a.kv.v_tensor_scale;
+    if (a.kv.k_tensor_scale != nullptr) k_tensor = *a.kv.k_tensor_scale;
     if (a.kv.k_token_scale != nullptr) key_scales = sm.key_scale(), value_scales = sm.value_scale();
+    per_element = key_scales != nullptr || !(k_tensor > 0.f && k_tensor <= FLT_MAX);
+    if (!per_element) scale_log2 *= k_tensor;
   }
+  auto softmax = [&](uint32_t(&p)[kKSteps][4], int limit) {
+    if constexpr (kQuantisedSource<Kind>) {
+      if (per_element) {
+        scale_scores(s, k_tensor, key_scales, t4);
+        return softmax_rows<true>(s, p, limit, a.scale_log2, t4, value_scales);
+      }
+    }
+    return softmax_rows(s, p, limit, scale_log2, t4);
+  };
   auto q_desc = [&](int n) { return sw128_desc(sm.q(n % kQStages) + (kTileRows / 2) * wg * kBoxRowBytes); };
-  float s[kNFrags][4];
   load_block_tiles(wait_task(0));
   issue_scores(s, q_desc(0), k_desc);
   for (int n = 0;; ++n) {
@@ -762,8 +778,7 @@ __device__ void run_consumer(const ForwardArgs& a, const CUtensorMap* part_map, 
     // Every warp's Q rows are read before any warp reuses them.
     warpgroup_barrier(int(ForwardBarrier::kWarpgroup0) + wg);
     uint32_t p[kKSteps][4];
-    if constexpr (kQuantisedSource<Kind>) scale_scores(s, k_tensor, key_scales, t4);
-    const RowStats r = softmax_rows<kQuantisedSource<Kind>>(s, p, m.limit, a.scale_log2, t4, value_scales);
+    const RowStats r = softmax(p, m.limit);
     finish_values();
     if (loaded_nonfinite) stage_p(p, qs, warp, lane);
     float o[kNFrags][4];
@@ -779,12 +794,6 @@ __device__ void run_consumer(const ForwardArgs& a, const CUtensorMap* part_map, 
     else wgmma_commit();
     wgmma_wait<1>();  // O of task n is complete
     if (loaded_nonfinite) add_nonfinite_values<Kind>(a, o, sm.nonfinite_keys(), loaded, qs, m.limit, warp, lane);
-    if constexpr (kQuantisedSource<Kind>) {  // the per-tensor V scale multiplies the output
-#pragma unroll
-      for (int nt = 0; nt < kNFrags; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[nt][e] *= v_tensor;
-    }
     store_partial(a, part_map, o, r, m, qs, warp, lane);
     // Task n - 1's stage goes back to the producers once its output rows have been read out.
     if (lane == 0) {
@@ -846,7 +855,8 @@ __global__ void __launch_bounds__(kThreads, 1)
 // the LSE, and the rules for empty rows and non-finite sums, are that header's. The
 // slots are read in batches of 4 (the loads of a batch in flight together), which keeps the
 // kernel at 64 registers: 32 resident warps per SM overlap the dependent loads (counts, maxima,
-// partials) of many rows, which is what this memory-bound kernel needs.
+// partials) of many rows, which is what this memory-bound kernel needs. A quantised source's
+// per-tensor V scale (value_scale; nullptr: none) multiplies the merged output.
 constexpr int kMergeThreads = 256;
 constexpr int kMergeChunks = kDim / 8;  // threads per (query, head): 8 dims each
 static_assert(kMergeChunks == 16, "the merge's shifts");
@@ -854,7 +864,8 @@ template <typename Out>
 __global__ void __launch_bounds__(kMergeThreads, 4)
     forward_merge_kernel(const __nv_bfloat16* __restrict__ part_o, const float2* __restrict__ part_ml,
                          const int32_t* __restrict__ split_counts, const int32_t* __restrict__ status, int64_t total_q,
-                         int Hq, int Hkv, Out* __restrict__ out, float* __restrict__ lse) {
+                         int Hq, int Hkv, const float* __restrict__ value_scale, Out* __restrict__ out,
+                         float* __restrict__ lse) {
   const int64_t gid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (gid >= total_q * Hq * kMergeChunks) return;
   const int64_t qh = gid >> 4;  // query * Hq + head (kMergeChunks threads each)
@@ -909,7 +920,7 @@ __global__ void __launch_bounds__(kMergeThreads, 4)
     // here: with the wrapper's own accumulators this kernel compiled differently and ran 6 %
     // slower (ncu, docs/performance.md run 15); written so, its SASS is the earlier kernel's.
     if (row.valid()) {
-      const float inv = 1.f / row.d;
+      const float inv = (value_scale != nullptr ? *value_scale : 1.f) / row.d;
 #pragma unroll
       for (int e = 0; e < 8; ++e) acc[e] *= inv;
       result_lse = row.lse();
@@ -997,13 +1008,14 @@ void run_sparse_forward(const ForwardLaunch& f, cudaStream_t s) {
     }
   }
   const int blocks = int(ceil_div(Tq * f.Hq * kMergeChunks, kMergeThreads));
+  const float* v_scale = f.kv.v_tensor_scale;  // quantised sources only (nullptr otherwise)
   if (f.out.dtype == DType::f32) {
     forward_merge_kernel<float><<<blocks, kMergeThreads, 0, s>>>(part_o, a.part_ml, f.split_counts, a.status, Tq, a.Hq,
-                                                                 a.Hkv, f.out.as<float>(), f.lse.as<float>());
+                                                                 a.Hkv, v_scale, f.out.as<float>(), f.lse.as<float>());
   } else {
     forward_merge_kernel<__nv_bfloat16><<<blocks, kMergeThreads, 0, s>>>(part_o, a.part_ml, f.split_counts, a.status,
-                                                                         Tq, a.Hq, a.Hkv, f.out.as<__nv_bfloat16>(),
-                                                                         f.lse.as<float>());
+                                                                         Tq, a.Hq, a.Hkv, v_scale,
+                                                                         f.out.as<__nv_bfloat16>(), f.lse.as<float>());
   }
   MSA_CUDA_CHECK_LAUNCH("forward_merge_kernel");
 }
