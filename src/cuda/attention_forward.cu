@@ -27,7 +27,7 @@
 //
 // Non-finite isolation: a key a row does not attend to never changes it. Masked scores are
 // set to -inf by selection; inf / NaN values in V are kept out of the shared V tile and
-// added back only to the rows that see their keys (scrub_values, load_key_block).
+// added back only to the rows that see their keys (scrub_values, widen_side_from_global).
 #include <cfloat>
 #include <cstddef>
 

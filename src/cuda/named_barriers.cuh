@@ -14,7 +14,7 @@ namespace msa::cuda {
 enum class ForwardBarrier : int {
   kWarpgroup0 = 1,  // consumer warpgroup 0 (128 threads): its Q rows of a stage are read
   kWarpgroup1 = 2,  // consumer warpgroup 1 (kWarpgroup0 + wg)
-  kKeyBlock = 3,    // the 256 consumer threads, around a reload of the K / V^T tiles
+  kKeyBlock = 3,    // the 256 consumer threads, around a change of the resident K / V tiles
 };
 
 // paged_decode_wgmma.cu: one or two consumer warpgroups and a producer warpgroup.
