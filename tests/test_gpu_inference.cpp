@@ -609,6 +609,24 @@ TEST(GpuInference, PrefillAttentionMatchesCpu) {
   }
 }
 
+// A per-tensor K scale outside the contract (negative: a device scalar is not checked on the
+// host) still scales every logit: prefill applies such a scale per logit instead of folding it
+// into the softmax scale, which would take the row maximum of the unscaled logits. Negating the
+// scale and every K code leaves the logits as they were.
+TEST(GpuInference, PrefillNegativeDeviceKScaleScalesEachLogit) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  const PagedCase c = make_prefill_case(rng, Topology::minimax_m3(2), {2500, 300}, {200, 100}, format_options("fp8"));
+  const HostTensor topk = cpu_indexer(c);
+  PagedCase negated = c;
+  for (int64_t e = 0; e < negated.k.numel(); ++e) negated.k.data<uint8_t>()[e] ^= 0x80;  // E4M3 sign bit: K -> -K
+  ASSERT_EQ(negated.k_scale.numel(), 1);
+  negated.k_scale.set(0, -c.k_scale.at(0));
+  const PagedOutputs want = gpu_attention(c, DeviceCase(c), gpu_plan(c), topk, DType::f32);
+  const PagedOutputs got = gpu_attention(negated, DeviceCase(negated), gpu_plan(negated), topk, DType::f32);
+  expect_attention_matches_cpu(got, want, 2e-3);
+}
+
 // An invalid device top-k (a repeated page id) reaching prefill attention: its schedule build
 // flags it and every output is NaN, as for the training path's invalid selections.
 TEST(GpuInference, PrefillInvalidTopkPoisonsEveryOutput) {
