@@ -128,7 +128,8 @@ struct alignas(1024) Tile {
 // and consumers) has its K in K tile u % KTiles: bf16 sources keep two (the next block's K lands
 // while the current one is in use), widened sources one. FP8 sources add one raw stage, where
 // the producer has TMA land the next block's codes (K rows, then V rows: 128 bytes a key each,
-// 128-byte swizzle) for the consumers to widen at the block change.
+// unswizzled: a warp's 16-byte reads of consecutive chunks hit every bank once) for the
+// consumers to widen at the block change.
 template <KvSourceKind Kind>
 struct TilePlan {
   static constexpr int kKTiles = kTmaSource<Kind> ? 2 : 1;
@@ -317,8 +318,8 @@ __device__ __forceinline__ void load_block_side(uint32_t tile, const CUtensorMap
 // the consumers are done with block u - 2 (the tile's previous block), while they still work on
 // block u - 1; its V goes to L2 for the consumers' TMA load at the block change. An FP8
 // source's codes of both sides land in the raw stage once the consumers have widened block
-// u - 1 from it (they do so when they enter it). NVFP4 K and V go to L2 for the consumers'
-// widening loads.
+// u - 1 from it (they do so when they enter it); its L2 prefetch, issued first, covers that
+// wait. NVFP4 K and V go to L2 for the consumers' widening loads.
 template <KvSourceKind Kind>
 __device__ void stage_key_block(const ForwardArgs& a, const CUtensorMap* k_map, const CUtensorMap* v_map,
                                 const Smem<Kind>& sm, const TaskBlock& blk, int u, int lane) {
@@ -519,10 +520,10 @@ __device__ void stage_p(const uint32_t (&p)[kKSteps][4], uint32_t qs, int warp, 
     }
 }
 
-// The rare path of a block with non-finite values (widen_key_block, scrub_values): O holds P V with those
-// values as 0; each row adds P * value for the non-finite values of the keys it sees (its
-// query's limit), read again from the source, which is what P V over the original values gives
-// for them (NaN, or +-inf). Keys the query does not see are never touched.
+// The rare path of a block with non-finite values (widen_key_block, scrub_values): O holds P V
+// with those values as 0; each row adds P * value for the non-finite values of the keys it sees
+// (its query's limit), read again from the source, which is what P V over the original values
+// gives for them (NaN, or +-inf). Keys the query does not see are never touched.
 template <KvSourceKind Kind>
 __device__ void add_nonfinite_values(const ForwardArgs& a, float (&o)[kNFrags][4], const uint32_t* nonfinite_keys,
                                      const TaskBlock& blk, uint32_t qs, int limit, int warp, int lane) {
