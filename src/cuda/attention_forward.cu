@@ -156,7 +156,8 @@ struct SharedStorage {
 };
 template <KvSourceKind Kind>
 using StorageOf = SharedStorage<TilePlan<Kind>::kTiles>;
-static_assert(offsetof(SharedStorage<7>, full) % 8 == 0 && sizeof(MetaStage) % 16 == 0 && alignof(SharedStorage<7>) == 1024);
+static_assert(offsetof(SharedStorage<7>, full) % 8 == 0 && sizeof(MetaStage) % 16 == 0);
+static_assert(alignof(SharedStorage<7>) == 1024);
 template <KvSourceKind Kind>
 inline constexpr int kSmemBytes = int(sizeof(StorageOf<Kind>)) + 1024;  // + slack to align the base
 static_assert(kSmemBytes<KvSourceKind::paged_bf16> <= 227 * 1024, "over the 227 KB of shared memory a CTA can have");
@@ -346,7 +347,8 @@ __device__ void stage_key_block(const ForwardArgs& a, const CUtensorMap* k_map, 
 // Warp 0 also stages each new key block (stage_key_block) when its first task is staged.
 template <KvSourceKind Kind>
 __device__ void run_producer(const ForwardArgs& a, const CUtensorMap* q_map, const CUtensorMap* k_map,
-                             const CUtensorMap* v_map, const CtaTasks& tasks, int64_t ntasks, const Smem<Kind>& sm, int pw, int lane) {
+                             const CUtensorMap* v_map, const CtaTasks& tasks, int64_t ntasks, const Smem<Kind>& sm,
+                             int pw, int lane) {
   TaskBlock staged{-1, -1, -1, 0};
   int u = -1;  // key blocks staged so far, minus one
   for (int64_t n0 = 0; n0 < ntasks; n0 += 32) {
