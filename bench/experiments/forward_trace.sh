@@ -40,7 +40,10 @@ case "$mode" in
       MSA_FORWARD_TRACE="$OUT/trace_${n}_$id.bin" timeout 120 "$TOOL" bench --backend cuda --prefill "$OUT/case_$n.jsonl" \
         --formats "$FORMAT" --repeats 1 > "$OUT/bench_$n.log" 2>&1 || echo "case $n ($id): msa bench failed" >&2
     done < "$CASES"
-    python3 "$ROOT/bench/experiments/forward_trace_summary.py" "$OUT"/trace_*.bin
+    shopt -s nullglob
+    traces=("$OUT"/trace_*.bin)
+    ((${#traces[@]} > 0)) || { echo "no trace was written (see $OUT/bench_*.log)" >&2; exit 1; }
+    python3 "$ROOT/bench/experiments/forward_trace_summary.py" "${traces[@]}"
     ;;
   *) echo "unknown mode $mode" >&2; exit 2 ;;
 esac
