@@ -407,6 +407,7 @@ struct TokenScales {
 template <KvSourceKind Kind, bool kValues>
 __device__ bool widen_side_from_global(const Smem<Kind>& sm, const uint8_t* rows, int64_t row_stride,
                                        const uint8_t* scales, int64_t scale_row, uint32_t tile, int nkeys, int tid) {
+  static_assert(Kind == KvSourceKind::paged_nvfp4, "FP8 blocks come through the raw stage, bf16 ones by TMA");
   constexpr int kChunks = kSourceChunks<Kind>;      // 16-byte source chunks of a row
   constexpr int kOut = kWidened<Kind> / 8;          // 16-byte bf16 chunks one source chunk gives
   static_assert(kChunks * kOut == kRowChunks);
@@ -414,12 +415,12 @@ __device__ bool widen_side_from_global(const Smem<Kind>& sm, const uint8_t* rows
   // are ordered after earlier loads): one wait on memory per side, not one per chunk.
   constexpr int kPerThread = kBlock * kChunks / kConsumers;
   static_assert(kBlock * kChunks % kConsumers == 0);
-  RawChunk raw[kPerThread];
+  Nvfp4Chunk raw[kPerThread];
 #pragma unroll
   for (int i = 0; i < kPerThread; ++i) {
     const int c = tid + i * kConsumers;
     const int key = c / kChunks, ch = c % kChunks;
-    raw[i] = load_raw_chunk<Kind>(rows + key * row_stride, scales + key * scale_row, ch, key < nkeys);
+    raw[i] = load_nvfp4_chunk(rows + key * row_stride, scales + key * scale_row, ch, key < nkeys);
   }
   bool any_nonfinite = false;
 #pragma unroll
@@ -427,7 +428,7 @@ __device__ bool widen_side_from_global(const Smem<Kind>& sm, const uint8_t* rows
     const int c = tid + i * kConsumers;
     const int key = c / kChunks, ch = c % kChunks;
     uint32_t x[kWidened<Kind> / 2];
-    widen_chunk<Kind>(raw[i], x);
+    widen_nvfp4_chunk(raw[i], x);
     if constexpr (kValues) {
       uint32_t signs = 0;
 #pragma unroll

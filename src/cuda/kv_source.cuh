@@ -121,47 +121,40 @@ inline constexpr int kSourceChunks = kSourceRowBytes<Kind> / 16;
 template <KvSourceKind Kind>
 inline constexpr int kWidened = 8 * model::kHeadDim / (8 * kSourceChunks<Kind>);
 
-// One 16-byte source chunk as read from global memory, before widening (NVFP4: with the two
-// E4M3 block scales of its 32 values). Split from the widening so that a thread can have all
-// its chunks of a key block in flight before it converts and stores any of them.
-struct RawChunk {
+// One 16-byte chunk of an NVFP4 row (32 values) with the two E4M3 block scales of its values,
+// as read from global memory. Split from the widening so that a thread can have all its chunks
+// of a key block in flight before it converts and stores any of them. (FP8 blocks come through
+// the forward's raw stage, bf16 blocks by TMA: only NVFP4 is widened from global memory.)
+struct Nvfp4Chunk {
   uint4 codes;
   uint32_t scales;
 };
 
-// Reads source chunk c of a stored row; keys a block does not hold read as zeros.
-template <KvSourceKind Kind>
-__device__ __forceinline__ RawChunk load_raw_chunk(const uint8_t* row, const uint8_t* row_scales, int c, bool present) {
-  RawChunk r{make_uint4(0, 0, 0, 0), 0};
+// Reads chunk c of a stored NVFP4 row; keys a block does not hold read as zeros.
+__device__ __forceinline__ Nvfp4Chunk load_nvfp4_chunk(const uint8_t* row, const uint8_t* row_scales, int c,
+                                                       bool present) {
+  Nvfp4Chunk r{make_uint4(0, 0, 0, 0), 0};
   if (present) {
     r.codes = __ldg(reinterpret_cast<const uint4*>(row + c * 16));
-    if constexpr (Kind == KvSourceKind::paged_nvfp4) r.scales = __ldg(reinterpret_cast<const uint16_t*>(row_scales) + c);
+    r.scales = __ldg(reinterpret_cast<const uint16_t*>(row_scales) + c);
   }
   return r;
 }
 
-// Widens a raw chunk c to bf16 pairs: out[i] holds values kWidened*c + 2i, +1 (low half first).
-template <KvSourceKind Kind>
-__device__ __forceinline__ void widen_chunk(const RawChunk& raw, uint32_t (&out)[kWidened<Kind> / 2]) {
+// Widens chunk c to bf16 pairs: out[i] holds values 32c + 2i, +1 (low half first).
+__device__ __forceinline__ void widen_nvfp4_chunk(const Nvfp4Chunk& raw, uint32_t (&out)[16]) {
   const uint32_t w[4] = {raw.codes.x, raw.codes.y, raw.codes.z, raw.codes.w};
-  if constexpr (Kind == KvSourceKind::paged_fp8) {
-    inference::e4m3x16_widen(raw.codes, out);
-  } else if constexpr (Kind == KvSourceKind::paged_nvfp4) {
-    // Values 32c .. 32c + 31: block scales 2c (words 0, 1) and 2c + 1 (words 2, 3).
-    const float s0 = inference::e4m3_to_f32(uint8_t(raw.scales)), s1 = inference::e4m3_to_f32(uint8_t(raw.scales >> 8));
+  // Block scales 2c (words 0, 1) and 2c + 1 (words 2, 3).
+  const float s0 = inference::e4m3_to_f32(uint8_t(raw.scales)), s1 = inference::e4m3_to_f32(uint8_t(raw.scales >> 8));
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float s = j < 2 ? s0 : s1;
+  for (int j = 0; j < 4; ++j) {
+    const float s = j < 2 ? s0 : s1;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const uint32_t byte = (w[j] >> (8 * e)) & 0xffu;
-        out[4 * j + e] = inference::bf16x2_bits(inference::e4m3_to_f32(inference::nvfp4_to_e4m3(byte & 0xfu, s)),
-                                                inference::e4m3_to_f32(inference::nvfp4_to_e4m3(byte >> 4, s)));
-      }
+    for (int e = 0; e < 4; ++e) {
+      const uint32_t byte = (w[j] >> (8 * e)) & 0xffu;
+      out[4 * j + e] = inference::bf16x2_bits(inference::e4m3_to_f32(inference::nvfp4_to_e4m3(byte & 0xfu, s)),
+                                              inference::e4m3_to_f32(inference::nvfp4_to_e4m3(byte >> 4, s)));
     }
-  } else {
-#pragma unroll
-    for (int j = 0; j < 4; ++j) out[j] = w[j];
   }
 }
 
