@@ -344,7 +344,7 @@ __device__ void stage_key_block(const ForwardArgs& a, const CUtensorMap* k_map, 
 }
 
 // Producer warp pw's whole share: the CTA's tasks in order, four stages ahead of the consumers.
-// Warp 0 also stages each new key block (stage_key_block) when its first task is staged.
+// Warp 0 also stages each new key block (stage_key_block) after its first task's Q rows.
 template <KvSourceKind Kind>
 __device__ void run_producer(const ForwardArgs& a, const CUtensorMap* q_map, const CUtensorMap* k_map,
                              const CUtensorMap* v_map, const CtaTasks& tasks, int64_t ntasks, const Smem<Kind>& sm,
@@ -358,6 +358,11 @@ __device__ void run_producer(const ForwardArgs& a, const CUtensorMap* q_map, con
 #pragma unroll 1
     for (int k = 0; k < count; ++k) {
       const int n = int(n0 + k), stage = n % kQStages, use = n / kQStages;
+      if (use > 0) mbar_wait(sm.empty(stage), (use - 1) & 1);
+      produce_task(a, q_map, mine, k, sm.q(stage), sm.meta(stage), sm.full(stage), pw, lane);
+      // The task's Q rows go first: staging a new block may wait for the consumers to leave an
+      // older one, and when every task has a block of its own (small steps) that wait would
+      // otherwise hold the next tasks' Q loads back to one task ahead.
       if (pw == 0) {
         const TaskBlock blk{__shfl_sync(0xffffffffu, mine.g, k), __shfl_sync(0xffffffffu, mine.b, k),
                             __shfl_sync(0xffffffffu, mine.j, k), __shfl_sync(0xffffffffu, mine.src, k)};
@@ -366,8 +371,6 @@ __device__ void run_producer(const ForwardArgs& a, const CUtensorMap* q_map, con
           staged = blk;
         }
       }
-      if (use > 0) mbar_wait(sm.empty(stage), (use - 1) & 1);
-      produce_task(a, q_map, mine, k, sm.q(stage), sm.meta(stage), sm.full(stage), pw, lane);
     }
   }
 }
@@ -692,7 +695,8 @@ __device__ __forceinline__ void store_partial(const ForwardArgs& a, const CUtens
 // ---- consumer loop ------------------------------------------------------------------------
 
 // The consumers, software-pipelined over tasks: while task n's outputs are normalised and
-// stored, the tensor cores already compute S of task n + 1 (when it reads the same key block).
+// stored, the tensor cores already compute S of task n + 1 (when it reads the same key block,
+// or, for a TMA source, the next one, whose K the producer has staged in the other K tile).
 template <KvSourceKind Kind>
 __device__ void run_consumer(const ForwardArgs& a, const CUtensorMap* part_map, const CUtensorMap* v_map, int ntasks,
                              const Smem<Kind>& sm, int tid) {
@@ -794,9 +798,22 @@ __device__ void run_consumer(const ForwardArgs& a, const CUtensorMap* part_map, 
     if (more) next_blk = wait_task(n + 1);
     // (A warp vote: the wgmma below must be seen as taken by whole warps.)
     const bool same_block = __all_sync(0xffffffffu, more && next_blk.same(loaded));
-    if (same_block) issue_scores(s, q_desc(n + 1), k_desc);
-    else wgmma_commit();
+    // A TMA source's next block has its K in the other tile (staged by the producer once the
+    // consumers entered this block): its S can start before this task's epilogue too.
+    const bool next_k_staged = kTmaSource<Kind> && more && !same_block;
+    if (same_block) {
+      issue_scores(s, q_desc(n + 1), k_desc);
+    } else if (next_k_staged) {
+      mbar_wait(sm.k_full((u + 1) & 1), ((u + 1) >> 1) & 1);
+      issue_scores(s, q_desc(n + 1), sw128_desc(sm.k((u + 1) & 1)));
+    } else {
+      wgmma_commit();
+    }
     wgmma_wait<1>();  // O of task n is complete
+    // Entering the next block now requests its V before this task's partial is stored; the
+    // old block's inf / NaN marks (rare) are still needed below, so then it waits.
+    const bool enter_now = next_k_staged && !loaded_nonfinite;
+    if (enter_now) load_block_tiles(next_blk);
     if (loaded_nonfinite) add_nonfinite_values<Kind>(a, o, sm.nonfinite_keys(), loaded, qs, m.limit, warp, lane);
     store_partial(a, part_map, o, r, m, qs, warp, lane);
     // Task n - 1's stage goes back to the producers once its output rows have been read out.
@@ -805,9 +822,9 @@ __device__ void run_consumer(const ForwardArgs& a, const CUtensorMap* part_map, 
       if (n > 0) mbar_arrive(sm.empty((n - 1) % kQStages));
     }
     if (!more) break;
-    if (!same_block) {
+    if (!same_block && !enter_now) {
       load_block_tiles(next_blk);
-      issue_scores(s, q_desc(n + 1), k_desc);
+      if (!next_k_staged) issue_scores(s, q_desc(n + 1), k_desc);
     }
   }
   wgmma_wait<0>();
