@@ -49,10 +49,11 @@ TEST(GpuPlan, MatchesCpuPlanOnEdgeAndRealShapes) {
   }
 }
 
-// Steps of up to 32768 edges and 8192 (head, row) pairs build their schedule in one CTA
-// (build_plan.cu); larger ones through the sort. Both must give the CPU's plan, for every
-// item size the one-CTA path takes (<= 64) and one it leaves to the sort, with rows ranked by
-// counting (<= 16 edges) and through a bitmap of local queries (up to 2047).
+// Steps of up to 2048 queries (32768 edges a KV head), 8192 rows and 8 KV heads build their
+// schedule in one cluster, a CTA per KV head exchanging item counts (build_plan.cu); larger ones
+// through the sort. Both must give the CPU's plan, for every item size the cluster path takes
+// (<= 64) and one it leaves to the sort, with rows ranked by counting (<= 16 edges) and through
+// a bitmap of local queries (up to 2047).
 TEST(GpuPlan, SmallStepsMatchCpuPlanEveryItemSize) {
   MSA_REQUIRE_GPU();
   MSA_SEEDED_RNG(rng);
@@ -67,9 +68,12 @@ TEST(GpuPlan, SmallStepsMatchCpuPlanEveryItemSize) {
       {"three requests, chunk and decode rows", 1, layout_of({100, 1, 37}, {5000, 900, 37})},
       {"1000 queries, one KV head", 4, layout_of({1000}, {4096})},
       {"2048 queries, one KV head: 32768 edges, local queries up to 2047", 4, layout_of({2048}, {2600})},
-      {"512 queries: 32768 edges exactly", 1, layout_of({512}, {9000})},
-      {"513 queries: over the one-CTA limit", 1, layout_of({513}, {9000})},
-      {"347 queries over 131k keys: 4112 rows", 1, layout_of({347}, {131547})},
+      {"2048 queries, four KV heads: 32768 edges a head", 1, layout_of({2048}, {2600})},
+      {"2049 queries: over the cluster's limit", 1, layout_of({2049}, {9000})},
+      {"347 queries over 131k keys: 1028 rows a head", 1, layout_of({347}, {131547})},
+      {"two requests over 140k + 126k keys: 2081 rows a head", 1, layout_of({151, 176}, {140055, 125872})},
+      {"8192 rows exactly", 1, layout_of({3}, {8192 * 128})},
+      {"8193 rows: over the cluster's limit", 1, layout_of({3}, {8192 * 128 + 1})},
   };
   for (const Step& st : steps) {
     SCOPED_TRACE(st.name);

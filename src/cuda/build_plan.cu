@@ -8,6 +8,7 @@
 // are generated in (head, query) order, the queries of every row come out ascending.
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
+#include <cooperative_groups.h>
 
 #include <algorithm>
 #include <limits>
@@ -24,6 +25,8 @@
 
 namespace msa::cuda {
 namespace {
+
+namespace cg = cooperative_groups;
 
 constexpr int kThreads = 256;
 constexpr int kTopk = model::kTopk;
@@ -237,23 +240,25 @@ __global__ void items_fill_tail_kernel(const int32_t* __restrict__ row_ptr, cons
   if (tail_index) tail_index[n] = int32_t(index);
 }
 
-// ---- the whole schedule in one CTA ---------------------------------------------------------
+// ---- the whole schedule in one cluster -----------------------------------------------------
 // A small step spends its schedule build on launch latencies: six memsets and a dozen kernels
 // (edges, radix sort, scatter, row pointers, item count / scan / sort / fill), ~75 us for 182
-// queries on an H200, for a few thousand edges. One CTA does the same work in shared memory and
-// writes the same schedule: the edges of every (head, query) pair, the row pointers (an
-// exclusive scan of the per-row counts), the rows' queries in ascending order (every edge
-// placed in its row, then ranked by query within it), the full items in (head, row) order,
-// then the partial items by size descending and (head, row) order.
+// queries on an H200, for a few thousand edges. One cluster of one CTA per KV head does the
+// same work in shared memory and writes the same schedule: CTA h takes the edges of head h's
+// queries, its row pointers (an exclusive scan of the per-row counts), its rows' queries in
+// ascending order (every edge placed in its row, then ranked by query within it) and its items;
+// the heads' item counts are exchanged through distributed shared memory, so that the full items
+// come in (head, row) order, then the partial items by size descending and (head, row) order.
 constexpr int kSmallThreads = 1024;
 constexpr int kSmallWarps = kSmallThreads / 32;
-constexpr int64_t kSmallMaxEdges = 32768;  // edges held in shared memory
-constexpr int64_t kSmallMaxRows = 8192;    // Hkv * rows counters
+constexpr int64_t kSmallMaxEdges = 32768;  // a head's edges held in shared memory: 2048 queries
+constexpr int64_t kSmallMaxRows = 8192;    // a head's row counters
+constexpr int kSmallMaxHeads = 8;          // CTAs of the cluster (the portable cluster size)
 constexpr int kSmallMaxPerItem = 64;       // partial item sizes ranked per warp
 constexpr int kSmallLongRow = 16;          // rows with more edges are ranked by a warp through a bitmap
 constexpr int kSmallEdgesPerThread = int(kSmallMaxEdges / kSmallThreads);
-// An edge in one int: its (head, row) key (<= kSmallMaxRows, the sentinel included) above its
-// value (local query * kTopk + slot; local queries < kSmallMaxEdges / kTopk).
+// An edge in one int: its row key within the head (<= kSmallMaxRows, the sentinel included)
+// above its value (local query * kTopk + slot; local queries < kSmallMaxEdges / kTopk).
 constexpr int kSmallValueBits = 15;
 constexpr int kSmallBitmapWords = int(kSmallMaxEdges / kTopk / 32);  // a warp's bitmap of local queries
 static_assert(kSmallMaxEdges <= (1 << kSmallValueBits) && kSmallMaxRows < (1 << (31 - kSmallValueBits)));
@@ -276,8 +281,14 @@ struct SmallScheduleArgs {
   int32_t* full_count;
 };
 
-int64_t small_schedule_smem(int64_t edges, int64_t counters) {
-  return (edges + 2 * counters + int64_t(kSmallWarps) * (kSmallMaxPerItem + 2 * kSmallBitmapWords)) * 4;
+bool small_schedule_fits(int Hkv, int64_t total_q, int64_t rows, int per_item) {
+  return total_q > 0 && Hkv >= 1 && Hkv <= kSmallMaxHeads && total_q * kTopk <= kSmallMaxEdges &&
+         rows <= kSmallMaxRows && per_item <= kSmallMaxPerItem;
+}
+
+// Dynamic shared memory of a head's CTA: its edges, two counters a row, the warps' tails and bitmaps.
+int64_t small_schedule_smem(int64_t head_edges, int64_t rows) {
+  return (head_edges + 2 * rows + int64_t(kSmallWarps) * (kSmallMaxPerItem + 2 * kSmallBitmapWords)) * 4;
 }
 
 // Inclusive prefix sum of v over the lanes of a warp.
@@ -330,47 +341,57 @@ __device__ __forceinline__ int32_t take_in_lane_order(int32_t* counter, uint32_t
   return place;
 }
 
+// Launched as one cluster of Hkv CTAs (grid = cluster); CTA h builds head h's part.
 __global__ void __launch_bounds__(kSmallThreads, 1) small_schedule_kernel(const SmallScheduleArgs a) {
   extern __shared__ int32_t smem[];
   __shared__ int32_t warp_sums[33];
+  // What the other heads read of this one (distributed shared memory): [0] its full items,
+  // [t] its partial items of t queries.
+  __shared__ int32_t published[kSmallMaxPerItem];
+  __shared__ int32_t heads_before[kSmallMaxPerItem], heads_all[kSmallMaxPerItem];  // the same, summed
+  cg::cluster_group cluster = cg::this_cluster();
   const EdgeArgs& e = a.edges;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int Hkv = e.Hkv, R = e.total_rows, per_item = a.per_item;
-  const int64_t pairs = int64_t(Hkv) * e.total_q;
-  const int E = int(pairs * kTopk), N = Hkv * R;
-  const int32_t sentinel = N;
-  int32_t* edges = smem;                 // [E] packed edges (small_key, small_value): by pair, then by place
-  int32_t* count = edges + E;            // [N] edges per (head, row)
-  int32_t* cursor = count + N;           // [N] a row's first edge, its end once placed; then full-item positions
-  int32_t* tails = cursor + N;           // [kSmallWarps, kSmallMaxPerItem] partial items per (warp, size)
+  const int h = int(cluster.block_rank());
+  const int Tq = e.total_q;
+  const int E = Tq * kTopk;        // this head's edge slots
+  const int32_t sentinel = R;      // an unused slot's key
+  int32_t* edges = smem;           // [E] packed edges (small_key, small_value): by query, then by place
+  int32_t* count = edges + E;      // [R] edges per row
+  int32_t* cursor = count + R;     // [R] a row's first edge, its end once placed; then full-item positions
+  int32_t* tails = cursor + R;     // [kSmallWarps, kSmallMaxPerItem] partial items per (warp, size)
   uint32_t* long_rows = reinterpret_cast<uint32_t*>(tails + kSmallWarps * kSmallMaxPerItem);  // [kSmallWarps, 2 words]
 
-  // What the general path clears with memsets.
-  for (int i = tid; i < a.q_index_ints; i += kSmallThreads) a.q_indices[i] = -1, a.split_slot[i] = -1;
-  for (int i = tid; i < a.split_count_ints; i += kSmallThreads) e.split_counts[i] = 0;
-  for (int64_t i = tid; i < a.capacity * kWorkItemInts; i += kSmallThreads) reinterpret_cast<int32_t*>(a.items)[i] = -1;
-  for (int i = tid; i < N; i += kSmallThreads) count[i] = 0;
+  // What the general path clears with memsets, split over the cluster; every CTA's clearing is
+  // done (cluster barrier: release / acquire) before any CTA writes these buffers.
+  const int64_t first = int64_t(h) * kSmallThreads + tid, step = int64_t(Hkv) * kSmallThreads;
+  for (int64_t i = first; i < a.q_index_ints; i += step) a.q_indices[i] = -1, a.split_slot[i] = -1;
+  for (int64_t i = first; i < a.split_count_ints; i += step) e.split_counts[i] = 0;
+  for (int64_t i = first; i < a.capacity * kWorkItemInts; i += step) reinterpret_cast<int32_t*>(a.items)[i] = -1;
+  for (int i = tid; i < R; i += kSmallThreads) count[i] = 0;
   for (int i = tid; i < kSmallWarps * kSmallMaxPerItem; i += kSmallThreads) tails[i] = 0;
-  if (tid < 4) e.status[tid] = 0;
-  __syncthreads();
+  if (h == 0 && tid < 4) e.status[tid] = 0;
+  cluster.sync();
 
-  // Edges, and the edge count of every (head, row).
-  for (int64_t idx = tid; idx < pairs; idx += kSmallThreads) {
+  // Edges, and the edge count of every row.
+  for (int q = tid; q < Tq; q += kSmallThreads) {
     int32_t key[kTopk], val[kTopk];
-    query_edges(e, idx, key, val);
+    query_edges(e, int64_t(h) * Tq + q, key, val);
 #pragma unroll
     for (int s = 0; s < kTopk; ++s) {
-      edges[idx * kTopk + s] = key[s] << kSmallValueBits | val[s];
-      if (key[s] < sentinel) atomicAdd(&count[key[s]], 1);
+      const int32_t row = key[s] < Hkv * R ? key[s] - h * R : sentinel;
+      edges[q * kTopk + s] = row << kSmallValueBits | val[s];
+      if (row < sentinel) atomicAdd(&count[row], 1);
     }
   }
   __syncthreads();
 
-  // Row pointers: each head's rows from 0; cursor = where the row's next edge goes.
-  const int32_t all_edges = block_exclusive_scan(count, cursor, N, warp_sums);
-  for (int n = tid; n < N; n += kSmallThreads) a.row_ptr[(n / R) * (R + 1) + n % R] = cursor[n] - cursor[(n / R) * R];
-  for (int h = tid; h < Hkv; h += kSmallThreads)
-    a.row_ptr[h * (R + 1) + R] = R > 0 ? (h + 1 < Hkv ? cursor[(h + 1) * R] : all_edges) - cursor[h * R] : 0;
+  // Row pointers from 0; cursor = where the row's next edge goes.
+  const int32_t all_edges = block_exclusive_scan(count, cursor, R, warp_sums);
+  int32_t* row_ptr = a.row_ptr + int64_t(h) * (R + 1);
+  for (int n = tid; n < R; n += kSmallThreads) row_ptr[n] = cursor[n];
+  if (tid == 0) row_ptr[R] = all_edges;
   __syncthreads();  // every cursor read before the walk below moves them
 
   // The rows' queries in ascending order. Every edge first takes a place in its row in any
@@ -392,10 +413,9 @@ __global__ void __launch_bounds__(kSmallThreads, 1) small_schedule_kernel(const 
   }
   __syncthreads();  // cursor[n] is now the end of row n's places
   // The output entry of row n's edge of value v, ranked `rank` within the row.
+  const int64_t head_base = int64_t(h) * Tq * kTopk;
   auto write_place = [&](int n, int32_t rank, int32_t v) {
-    const int h = n / R;
-    const int32_t head_base = cursor[h * R] - count[h * R];
-    const int64_t dst = int64_t(h) * e.total_q * kTopk + (cursor[n] - count[n] - head_base) + rank;
+    const int64_t dst = head_base + (cursor[n] - count[n]) + rank;
     a.q_indices[dst] = v >> kSlotBits;
     a.split_slot[dst] = v & (kTopk - 1);
   };
@@ -410,8 +430,8 @@ __global__ void __launch_bounds__(kSmallThreads, 1) small_schedule_kernel(const 
   // A warp's bitmap of a long row's local queries, then the number of queries before each word.
   uint32_t* bits = long_rows + warp * 2 * kSmallBitmapWords;
   uint32_t* before = bits + kSmallBitmapWords;
-  for (int n0 = warp * 32; n0 < N; n0 += kSmallThreads) {
-    uint32_t longs = __ballot_sync(0xffffffffu, n0 + lane < N && count[n0 + lane] > kSmallLongRow);
+  for (int n0 = warp * 32; n0 < R; n0 += kSmallThreads) {
+    uint32_t longs = __ballot_sync(0xffffffffu, n0 + lane < R && count[n0 + lane] > kSmallLongRow);
     while (longs != 0) {
       const int n = n0 + __ffs(int(longs)) - 1;
       longs &= longs - 1;
@@ -439,37 +459,57 @@ __global__ void __launch_bounds__(kSmallThreads, 1) small_schedule_kernel(const 
   }
   __syncthreads();
 
-  // Full items: positions by an exclusive scan of the rows' full-item counts.
-  for (int n = tid; n < N; n += kSmallThreads) cursor[n] = count[n] / per_item;
+  // Item counts: full items a row (positions by an exclusive scan), partial items per (warp,
+  // size), warp w taking the rows [R w / 32, R (w + 1) / 32).
+  for (int n = tid; n < R; n += kSmallThreads) cursor[n] = count[n] / per_item;
   __syncthreads();
-  const int32_t total_full = block_exclusive_scan(cursor, cursor, N, warp_sums);
-  for (int n = tid; n < N; n += kSmallThreads) {
-    const int h = n / R, r = n % R;
-    const int32_t begin = a.row_ptr[h * (R + 1) + r], nfull = count[n] / per_item;
-    for (int c = 0; c < nfull; ++c) {
-      const int64_t i = int64_t(cursor[n]) + c;
-      if (i < a.capacity) write_item(a.items + i, h, r, begin + c * per_item, per_item, a.rows);
-    }
-  }
-
-  // Partial items, by size descending, (head, row) ascending among equal sizes: warp w ranks
-  // the rows [N w / 32, N (w + 1) / 32) after the items of larger sizes and of earlier warps.
-  const int n_begin = int(int64_t(N) * warp / kSmallWarps), n_end = int(int64_t(N) * (warp + 1) / kSmallWarps);
+  const int32_t head_full = block_exclusive_scan(cursor, cursor, R, warp_sums);
+  const int n_begin = int(int64_t(R) * warp / kSmallWarps), n_end = int(int64_t(R) * (warp + 1) / kSmallWarps);
   for (int n = n_begin + lane; n < n_end; n += 32) {
     const int t = count[n] % per_item;
     if (t > 0) atomicAdd(&tails[warp * kSmallMaxPerItem + t], 1);
   }
   __syncthreads();
-  if (warp == 0) {  // start of each (size, warp) run, sizes descending: lane w scans warp w's runs
-    int32_t at = total_full;
+  if (tid < kSmallMaxPerItem) {
+    int32_t c = 0;
+    if (tid == 0) c = head_full;
+    else for (int w = 0; w < kSmallWarps; ++w) c += tails[w * kSmallMaxPerItem + tid];
+    published[tid] = c;
+  }
+  cluster.sync();  // every head's counts published
+  if (tid < kSmallMaxPerItem) {
+    int32_t below = 0, all = 0;
+    for (int g = 0; g < Hkv; ++g) {
+      const int32_t c = *cluster.map_shared_rank(&published[tid], g);
+      all += c;
+      below += g < h ? c : 0;
+    }
+    heads_before[tid] = below, heads_all[tid] = all;
+  }
+  cluster.sync();  // every CTA is done reading the others' counts (none exits before)
+
+  // Full items: the heads before this one's first, then this head's in row order.
+  const int32_t full_base = heads_before[0];
+  for (int n = tid; n < R; n += kSmallThreads) {
+    const int32_t begin = row_ptr[n], nfull = count[n] / per_item;
+    for (int c = 0; c < nfull; ++c) {
+      const int64_t i = int64_t(full_base) + cursor[n] + c;
+      if (i < a.capacity) write_item(a.items + i, h, n, begin + c * per_item, per_item, a.rows);
+    }
+  }
+  // Partial items, by size descending, (head, row) ascending among equal sizes: a size's items
+  // start after every larger size's (all heads) and this size's of the heads before this one;
+  // lane w of warp 0 places warp w's runs.
+  if (warp == 0) {
+    int32_t at = heads_all[0];
     for (int t = per_item - 1; t >= 1; --t) {
       const int32_t c = tails[lane * kSmallMaxPerItem + t], incl = warp_inclusive_scan(c, lane);
-      tails[lane * kSmallMaxPerItem + t] = at + incl - c;
-      at += __shfl_sync(0xffffffffu, incl, 31);
+      tails[lane * kSmallMaxPerItem + t] = at + heads_before[t] + incl - c;
+      at += heads_all[t];
     }
-    if (lane == 0) {
+    if (h == 0 && lane == 0) {
       *a.work_count = at;
-      *a.full_count = total_full;
+      *a.full_count = heads_all[0];
     }
   }
   __syncthreads();
@@ -479,10 +519,7 @@ __global__ void __launch_bounds__(kSmallThreads, 1) small_schedule_kernel(const 
     const int t = n < n_end ? count[n] % per_item : 0;
     const uint32_t same = __match_any_sync(0xffffffffu, t > 0 ? t : per_item + lane);
     const int64_t i = take_in_lane_order(&tails[warp * kSmallMaxPerItem + t], same, t > 0, lanes_below);
-    if (t > 0 && i < a.capacity) {
-      const int h = n / R, r = n % R;
-      write_item(a.items + i, h, r, a.row_ptr[h * (R + 1) + r] + (count[n] / per_item) * per_item, t, a.rows);
-    }
+    if (t > 0 && i < a.capacity) write_item(a.items + i, h, n, row_ptr[n] + (count[n] / per_item) * per_item, t, a.rows);
   }
 }
 
@@ -690,7 +727,7 @@ void build_schedule(const Topology& topo, const TensorView& topk, SparsePlan& pl
   const EdgeArgs edge_args{topk.as<const int32_t>(), int32_t(total_q), Hkv, B, i32(state.cu_q), doc_ptr(state),
                            i32(state.doc_row_base), i32(state.row_of), int32_t(rows),
                            static_cast<int32_t*>(plan.split_counts.data()), static_cast<int32_t*>(plan.status.data())};
-  if (edges > 0 && edges <= kSmallMaxEdges && Hkv * rows <= kSmallMaxRows && plan.q_per_cta <= kSmallMaxPerItem) {
+  if (small_schedule_fits(Hkv, total_q, rows, plan.q_per_cta)) {
     SmallScheduleArgs a{edge_args,
                         static_cast<const int32_t*>(plan.rows.data()),
                         plan.q_per_cta,
@@ -703,9 +740,20 @@ void build_schedule(const Topology& topo, const TensorView& topk, SparsePlan& pl
                         static_cast<WorkItem*>(plan.schedule.data()),
                         static_cast<int32_t*>(plan.work_count_dev.data()),
                         i32(state.schedule_full)};
-    const int smem = int(small_schedule_smem(edges, Hkv * rows));
+    const int smem = int(small_schedule_smem(total_q * kTopk, rows));
     MSA_CUDA_CHECK(cudaFuncSetAttribute(small_schedule_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    small_schedule_kernel<<<1, kSmallThreads, smem, s>>>(a);
+    cudaLaunchConfig_t config{};
+    config.gridDim = dim3(unsigned(Hkv));
+    config.blockDim = dim3(kSmallThreads);
+    config.dynamicSmemBytes = size_t(smem);
+    config.stream = s;
+    cudaLaunchAttribute cluster{};
+    cluster.id = cudaLaunchAttributeClusterDimension;
+    cluster.val.clusterDim.x = unsigned(Hkv);
+    cluster.val.clusterDim.y = cluster.val.clusterDim.z = 1;
+    config.attrs = &cluster;
+    config.numAttrs = 1;
+    MSA_CUDA_CHECK(cudaLaunchKernelEx(&config, small_schedule_kernel, a));
     MSA_CUDA_CHECK_LAUNCH("small_schedule_kernel");
   } else {
     MSA_CUDA_CHECK(cudaMemsetAsync(plan.status.data(), 0, size_t(plan.status.bytes()), s));

@@ -888,7 +888,9 @@ void paged_indexer(const InferencePlan& plan, const PagedIndexerParams& p, const
                             p.index_k_cache.stride[0] * elem, p.index_k_cache.stride[0] * elem,
                             p.index_k_cache.stride[1] * elem, "index_k_cache");
   }
-  const int64_t rows_per_chunk = chunk_rows / tile_rows * tile_rows;
+  // Chunks of whole tiles; one chunk when the scratch holds every row (a last partial tile
+  // costs less than a second pair of launches).
+  const int64_t rows_per_chunk = chunk_rows >= T ? T : chunk_rows / tile_rows * tile_rows;
   sa.tile_rows = int(tile_rows);
   const int64_t history = std::max<int64_t>(1, pages - 1);
   for (int64_t r0 = 0; r0 < T; r0 += rows_per_chunk) {
