@@ -700,7 +700,9 @@ __device__ __forceinline__ bool ranks_before(float s, int id, float bs, int bid)
 
 // The best `slots` history pages [begin, end) by (score desc, page id asc), NaN never chosen,
 // written to out[0 ..] in that order by a warp; returns how many (fewer when fewer pages).
-__device__ __forceinline__ int select_history(const float* score, int64_t begin, int64_t end, int slots, int32_t* out,
+// Exact for any scores, at ~14 compare-and-swaps per page a lane keeps: the path of
+// select_history when its threshold leaves too many candidates.
+__device__ __forceinline__ int select_history_lists(const float* score, int64_t begin, int64_t end, int slots, int32_t* out,
                                               int lane) {
   int n = 0;
   // One pass over the history pages: lane l keeps the best kList of pages begin + l + 32i
@@ -755,7 +757,85 @@ __device__ __forceinline__ int select_history(const float* score, int64_t begin,
   return n;
 }
 
+// Candidates a warp may keep past the threshold of select_history (shared memory).
+constexpr int kSurvivors = 256;
+struct Survivor {
+  float score;
+  int id;
+};
+
+// The same selection as select_history_lists, through a threshold: the `slots`-th best of the
+// lanes' own best pages is at or below the `slots`-th best page overall (those lanes' bests are
+// `slots` distinct pages), so every page of the selection ranks at or above it. One pass finds
+// the lanes' bests, a second keeps the pages at or above the threshold (a few dozen for
+// scores that are not adversarial) in `kept`, and each kept page's place is the number of kept
+// pages that rank before it. More than kSurvivors kept pages (e.g. many equal scores): the
+// lists instead.
+__device__ int select_history(const float* score, int64_t begin, int64_t end, int slots, int32_t* out,
+                              Survivor* kept, int lane) {
+  constexpr int kBatch = 8;  // loads in flight a lane
+  float best = -INFINITY;
+  int best_id = INT_MAX;
+  for (int64_t base = begin; base < end; base += 32 * kBatch) {  // the same trips for every lane
+    const int64_t b0 = base + lane;
+    float batch[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) batch[i] = b0 + 32 * i < end ? score[b0 + 32 * i] : NAN;  // NaN: skipped
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i)
+      if (!isnan(batch[i]) && ranks_before(batch[i], int(b0 + 32 * i), best, best_id))
+        best = batch[i], best_id = int(b0 + 32 * i);
+  }
+  // The threshold: the lanes' best of place slots - 1 among them (none when fewer lanes have a
+  // page: every page is kept then).
+  int place = 0;
+#pragma unroll
+  for (int o = 1; o < 32; ++o) {
+    const float os = __shfl_sync(0xffffffffu, best, (lane + o) & 31);
+    const int oid = __shfl_sync(0xffffffffu, best_id, (lane + o) & 31);
+    place += ranks_before(os, oid, best, best_id) ? 1 : 0;
+  }
+  const uint32_t at_threshold = __ballot_sync(0xffffffffu, best_id != INT_MAX && place == slots - 1);
+  float threshold = -INFINITY;
+  int threshold_id = INT_MAX;
+  if (at_threshold != 0) {
+    const int src = __ffs(int(at_threshold)) - 1;
+    threshold = __shfl_sync(0xffffffffu, best, src);
+    threshold_id = __shfl_sync(0xffffffffu, best_id, src);
+  }
+  int count = 0;
+  for (int64_t base = begin; base < end; base += 32 * kBatch) {  // the same trips for every lane
+    const int64_t b0 = base + lane;
+    float batch[kBatch];
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) batch[i] = b0 + 32 * i < end ? score[b0 + 32 * i] : NAN;
+#pragma unroll
+    for (int i = 0; i < kBatch; ++i) {
+      const int id = int(b0 + 32 * i);
+      const bool keep = !isnan(batch[i]) && !ranks_before(threshold, threshold_id, batch[i], id);  // at or above it
+      const uint32_t keeping = __ballot_sync(0xffffffffu, keep);
+      const int at = count + __popc(keeping & ((1u << lane) - 1u));
+      if (keep && at < kSurvivors) kept[at] = Survivor{batch[i], id};
+      count += __popc(keeping);
+    }
+  }
+  if (count > kSurvivors) return select_history_lists(score, begin, end, slots, out, lane);
+  __syncwarp();  // every kept page stored
+  for (int i = lane; i < count; i += 32) {
+    const Survivor me = kept[i];
+    int rank = 0;
+    for (int j = 0; j < count; ++j) {
+      const Survivor other = kept[j];
+      rank += ranks_before(other.score, other.id, me.score, me.id) ? 1 : 0;
+    }
+    if (rank < slots) out[rank] = me.id;
+  }
+  __syncwarp();  // the buffer is read before the next row of this warp overwrites it
+  return min(count, slots);
+}
+
 __global__ void __launch_bounds__(kThreads) select_kernel(const SelectArgs a) {
+  __shared__ Survivor kept[kThreads / 32][kSurvivors];
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int64_t item = int64_t(blockIdx.x) * (kThreads / 32) + warp;
   const bool in_range = item < (a.row_end - a.row_begin) * a.hi;
@@ -795,7 +875,7 @@ __global__ void __launch_bounds__(kThreads) select_kernel(const SelectArgs a) {
     if (ci != INT_MAX && rank < slots) out[n + rank] = ci;
     n += min(slots, __popc(__ballot_sync(0xffffffffu, ci != INT_MAX)));
   } else {
-    n += select_history(score, init_end, local_begin, slots, out + n, lane);
+    n += select_history(score, init_end, local_begin, slots, out + n, kept[warp], lane);
   }
   for (int64_t b = local_begin + lane; b < nvis; b += 32) out[n + (b - local_begin)] = int32_t(b);
   n += int(nvis - local_begin);
