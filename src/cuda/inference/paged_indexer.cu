@@ -698,6 +698,19 @@ __device__ __forceinline__ bool ranks_before(float s, int id, float bs, int bid)
   return s > bs || (s == bs && id < bid);
 }
 
+// The place of this lane's (score, id) among the warp's 32: how many lanes hold one that ranks
+// before it.
+__device__ __forceinline__ int place_among_lanes(float s, int id, int lane) {
+  int place = 0;
+#pragma unroll
+  for (int o = 1; o < 32; ++o) {
+    const float os = __shfl_sync(0xffffffffu, s, (lane + o) & 31);
+    const int oid = __shfl_sync(0xffffffffu, id, (lane + o) & 31);
+    place += ranks_before(os, oid, s, id) ? 1 : 0;
+  }
+  return place;
+}
+
 // The best `slots` history pages [begin, end) by (score desc, page id asc), NaN never chosen,
 // written to out[0 ..] in that order by a warp; returns how many (fewer when fewer pages).
 // Exact for any scores, at ~14 compare-and-swaps per page a lane keeps: the path of
@@ -788,13 +801,7 @@ __device__ int select_history(const float* score, int64_t begin, int64_t end, in
   }
   // The threshold: the lanes' best of place slots - 1 among them (none when fewer lanes have a
   // page: every page is kept then).
-  int place = 0;
-#pragma unroll
-  for (int o = 1; o < 32; ++o) {
-    const float os = __shfl_sync(0xffffffffu, best, (lane + o) & 31);
-    const int oid = __shfl_sync(0xffffffffu, best_id, (lane + o) & 31);
-    place += ranks_before(os, oid, best, best_id) ? 1 : 0;
-  }
+  const int place = place_among_lanes(best, best_id, lane);
   const uint32_t at_threshold = __ballot_sync(0xffffffffu, best_id != INT_MAX && place == slots - 1);
   float threshold = -INFINITY;
   int threshold_id = INT_MAX;
@@ -865,13 +872,7 @@ __global__ void __launch_bounds__(kThreads) select_kernel(const SelectArgs a) {
     float cs = -INFINITY;
     int ci = INT_MAX;
     if (b < local_begin && !isnan(score[b])) cs = score[b], ci = int(b);
-    int rank = 0;
-#pragma unroll
-    for (int o = 1; o < 32; ++o) {
-      const float os = __shfl_sync(0xffffffffu, cs, (lane + o) & 31);
-      const int oid = __shfl_sync(0xffffffffu, ci, (lane + o) & 31);
-      rank += ranks_before(os, oid, cs, ci) ? 1 : 0;
-    }
+    const int rank = place_among_lanes(cs, ci, lane);
     if (ci != INT_MAX && rank < slots) out[n + rank] = ci;
     n += min(slots, __popc(__ballot_sync(0xffffffffu, ci != INT_MAX)));
   } else {
