@@ -711,6 +711,15 @@ __device__ __forceinline__ int place_among_lanes(float s, int id, int lane) {
   return place;
 }
 
+// Page scores are read kSelectBatch pages a lane at a time (pages b0, b0 + 32, ..), so that
+// their loads are in flight together; pages at or past `end` read as NaN (never chosen).
+constexpr int kSelectBatch = 8;
+__device__ __forceinline__ void load_score_batch(const float* score, int64_t b0, int64_t end,
+                                                 float (&batch)[kSelectBatch]) {
+#pragma unroll
+  for (int i = 0; i < kSelectBatch; ++i) batch[i] = b0 + 32 * i < end ? score[b0 + 32 * i] : NAN;
+}
+
 // The best `slots` history pages [begin, end) by (score desc, page id asc), NaN never chosen,
 // written to out[0 ..] in that order by a warp; returns how many (fewer when fewer pages).
 // Exact for any scores, at ~14 compare-and-swaps per page a lane keeps: the path of
@@ -725,15 +734,12 @@ __device__ __forceinline__ int select_history_lists(const float* score, int64_t 
   int li[kList];
 #pragma unroll
   for (int k = 0; k < kList; ++k) ls[k] = -INFINITY, li[k] = INT_MAX;
-  // The scores are read kBatch pages a lane at a time, so that their loads are in flight
-  // together; the list is the same in any order of insertion ((score, id) is a total order).
-  constexpr int kBatch = 8;
-  for (int64_t b0 = begin + lane; b0 < end; b0 += 32 * kBatch) {
-    float batch[kBatch];
+  // The list is the same in any order of insertion ((score, id) is a total order).
+  for (int64_t b0 = begin + lane; b0 < end; b0 += 32 * kSelectBatch) {
+    float batch[kSelectBatch];
+    load_score_batch(score, b0, end, batch);
 #pragma unroll
-    for (int i = 0; i < kBatch; ++i) batch[i] = b0 + 32 * i < end ? score[b0 + 32 * i] : NAN;  // NaN: skipped
-#pragma unroll
-    for (int i = 0; i < kBatch; ++i) {
+    for (int i = 0; i < kSelectBatch; ++i) {
       float cs = batch[i];
       int ci = int(b0 + 32 * i);
       if (isnan(cs) || !ranks_before(cs, ci, ls[kList - 1], li[kList - 1])) continue;
@@ -786,16 +792,14 @@ struct Survivor {
 // lists instead.
 __device__ int select_history(const float* score, int64_t begin, int64_t end, int slots, int32_t* out,
                               Survivor* kept, int lane) {
-  constexpr int kBatch = 8;  // loads in flight a lane
   float best = -INFINITY;
   int best_id = INT_MAX;
-  for (int64_t base = begin; base < end; base += 32 * kBatch) {  // the same trips for every lane
+  for (int64_t base = begin; base < end; base += 32 * kSelectBatch) {  // the same trips for every lane
     const int64_t b0 = base + lane;
-    float batch[kBatch];
+    float batch[kSelectBatch];
+    load_score_batch(score, b0, end, batch);
 #pragma unroll
-    for (int i = 0; i < kBatch; ++i) batch[i] = b0 + 32 * i < end ? score[b0 + 32 * i] : NAN;  // NaN: skipped
-#pragma unroll
-    for (int i = 0; i < kBatch; ++i)
+    for (int i = 0; i < kSelectBatch; ++i)
       if (!isnan(batch[i]) && ranks_before(batch[i], int(b0 + 32 * i), best, best_id))
         best = batch[i], best_id = int(b0 + 32 * i);
   }
@@ -811,13 +815,12 @@ __device__ int select_history(const float* score, int64_t begin, int64_t end, in
     threshold_id = __shfl_sync(0xffffffffu, best_id, src);
   }
   int count = 0;
-  for (int64_t base = begin; base < end; base += 32 * kBatch) {  // the same trips for every lane
+  for (int64_t base = begin; base < end; base += 32 * kSelectBatch) {  // the same trips for every lane
     const int64_t b0 = base + lane;
-    float batch[kBatch];
+    float batch[kSelectBatch];
+    load_score_batch(score, b0, end, batch);
 #pragma unroll
-    for (int i = 0; i < kBatch; ++i) batch[i] = b0 + 32 * i < end ? score[b0 + 32 * i] : NAN;
-#pragma unroll
-    for (int i = 0; i < kBatch; ++i) {
+    for (int i = 0; i < kSelectBatch; ++i) {
       const int id = int(b0 + 32 * i);
       const bool keep = !isnan(batch[i]) && !ranks_before(threshold, threshold_id, batch[i], id);  // at or above it
       const uint32_t keeping = __ballot_sync(0xffffffffu, keep);
