@@ -9,7 +9,9 @@
 #
 # A build is NAME=BINARY: an msa tool built elsewhere (e.g. on the development machine, then
 # carried to the GPU machine), so that no GPU time goes into building. PREFILL_AB_FORMATS
-# (default bf16,fp8), PREFILL_AB_REPEATS (default 5). JSON per build, round and set in OUT.
+# (default bf16,fp8), PREFILL_AB_REPEATS (default 5), PREFILL_AB_SETS (case lists
+# bench/data/prefill_SET.jsonl; default "issue14_chunks small_steps"; mid_steps: the manifest's
+# 1.4k-2.3k-query steps). JSON per build, round and set in OUT.
 set -u -o pipefail
 OUT=${1:?usage: prefill_ab.sh OUT NAME=BINARY NAME=BINARY ...}; shift
 (($# >= 2)) || { echo "give at least two builds" >&2; exit 2; }
@@ -26,7 +28,7 @@ for spec in "$@"; do
 done
 for round in 1 2; do
   for i in "${!names[@]}"; do
-    for set in issue14_chunks small_steps; do
+    for set in ${PREFILL_AB_SETS:-issue14_chunks small_steps}; do
       timeout "${PREFILL_AB_TIMEOUT:-300}" "${bins[$i]}" bench --backend cuda --prefill "$ROOT/bench/data/prefill_$set.jsonl" \
         --formats "${PREFILL_AB_FORMATS:-bf16,fp8}" --repeats "${PREFILL_AB_REPEATS:-5}" \
         --json "$OUT/ab_${names[$i]}_${round}_$set.json" > /dev/null 2>&1 || note "bench ${names[$i]} round $round $set failed"

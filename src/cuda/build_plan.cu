@@ -17,6 +17,7 @@
 #include "msa/constants.h"
 #include "plan_records.h"
 #include "cuda/common.cuh"
+#include "cuda/device.cuh"
 #include "cuda/device_layout.cuh"
 #include "cuda/plan_build.h"
 #include "core/buffer_pack.h"
@@ -264,6 +265,13 @@ constexpr int kSmallBitmapWords = int(kSmallMaxEdges / kTopk / 32);  // a warp's
 static_assert(kSmallMaxEdges <= (1 << kSmallValueBits) && kSmallMaxRows < (1 << (31 - kSmallValueBits)));
 static_assert(kSmallWarps == 32 && kSmallBitmapWords % 32 == 0);
 __device__ __forceinline__ int32_t small_key(int32_t edge) { return edge >> kSmallValueBits; }
+// From the item counts on, a row's first edge and its edge count share one int (a row has at
+// most one edge a local query).
+constexpr int kSmallLenBits = 12;
+static_assert(kSmallMaxEdges / kTopk < (1 << kSmallLenBits) && kSmallMaxEdges < (1 << (31 - kSmallLenBits)));
+__device__ __forceinline__ int32_t pack_row(int32_t start, int32_t len) { return start << kSmallLenBits | len; }
+__device__ __forceinline__ int32_t row_len(int32_t packed) { return packed & ((1 << kSmallLenBits) - 1); }
+__device__ __forceinline__ int32_t row_start(int32_t packed) { return packed >> kSmallLenBits; }
 __device__ __forceinline__ int32_t small_value(int32_t edge) { return edge & ((1 << kSmallValueBits) - 1); }
 
 struct SmallScheduleArgs {
@@ -346,11 +354,13 @@ __global__ void __launch_bounds__(kSmallThreads, 1) small_schedule_kernel(const 
   extern __shared__ int32_t smem[];
   __shared__ int32_t warp_sums[33];
   // What the other heads read of this one (distributed shared memory): [0] its full items,
-  // [t] its partial items of t queries.
+  // [t] its partial items of t queries; the first invalid top-k entry it met (status layout).
   __shared__ int32_t published[kSmallMaxPerItem];
+  __shared__ int32_t head_status[4];
   __shared__ int32_t heads_before[kSmallMaxPerItem], heads_all[kSmallMaxPerItem];  // the same, summed
   cg::cluster_group cluster = cg::this_cluster();
-  const EdgeArgs& e = a.edges;
+  EdgeArgs e = a.edges;
+  e.status = head_status;  // gathered into the plan's status by CTA 0 once every head is done
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int Hkv = e.Hkv, R = e.total_rows, per_item = a.per_item;
   const int h = int(cluster.block_rank());
@@ -363,16 +373,15 @@ __global__ void __launch_bounds__(kSmallThreads, 1) small_schedule_kernel(const 
   int32_t* tails = cursor + R;     // [kSmallWarps, kSmallMaxPerItem] partial items per (warp, size)
   uint32_t* long_rows = reinterpret_cast<uint32_t*>(tails + kSmallWarps * kSmallMaxPerItem);  // [kSmallWarps, 2 words]
 
-  // What the general path clears with memsets, split over the cluster; every CTA's clearing is
-  // done (cluster barrier: release / acquire) before any CTA writes these buffers.
-  const int64_t first = int64_t(h) * kSmallThreads + tid, step = int64_t(Hkv) * kSmallThreads;
-  for (int64_t i = first; i < a.q_index_ints; i += step) a.q_indices[i] = -1, a.split_slot[i] = -1;
-  for (int64_t i = first; i < a.split_count_ints; i += step) e.split_counts[i] = 0;
-  for (int64_t i = first; i < a.capacity * kWorkItemInts; i += step) reinterpret_cast<int32_t*>(a.items)[i] = -1;
+  // What the general path clears with memsets is cleared here only where nothing is written
+  // (the ends of the q_indices / split_slot heads and of the schedule, once their lengths are
+  // known; split_counts are all written), so no CTA waits for another's clearing. The row table
+  // is read when items are written: it is brought to L1 now.
   for (int i = tid; i < R; i += kSmallThreads) count[i] = 0;
   for (int i = tid; i < kSmallWarps * kSmallMaxPerItem; i += kSmallThreads) tails[i] = 0;
-  if (h == 0 && tid < 4) e.status[tid] = 0;
-  cluster.sync();
+  if (tid < 4) head_status[tid] = 0;
+  for (int i = tid * 16; i < R; i += kSmallThreads * 16) prefetch_l1_line(a.rows + 2 * i);  // 128-byte lines
+  __syncthreads();
 
   // Edges, and the edge count of every row.
   for (int q = tid; q < Tq; q += kSmallThreads) {
@@ -392,6 +401,10 @@ __global__ void __launch_bounds__(kSmallThreads, 1) small_schedule_kernel(const 
   int32_t* row_ptr = a.row_ptr + int64_t(h) * (R + 1);
   for (int n = tid; n < R; n += kSmallThreads) row_ptr[n] = cursor[n];
   if (tid == 0) row_ptr[R] = all_edges;
+  for (int i = all_edges + tid; i < E; i += kSmallThreads) {  // entries past the head's edges
+    a.q_indices[int64_t(h) * E + i] = -1;
+    a.split_slot[int64_t(h) * E + i] = -1;
+  }
   __syncthreads();  // every cursor read before the walk below moves them
 
   // The rows' queries in ascending order. Every edge first takes a place in its row in any
@@ -460,13 +473,19 @@ __global__ void __launch_bounds__(kSmallThreads, 1) small_schedule_kernel(const 
   __syncthreads();
 
   // Item counts: full items a row (positions by an exclusive scan), partial items per (warp,
-  // size), warp w taking the rows [R w / 32, R (w + 1) / 32).
-  for (int n = tid; n < R; n += kSmallThreads) cursor[n] = count[n] / per_item;
+  // size), warp w taking the rows [R w / 32, R (w + 1) / 32). From here a row's first edge
+  // (its row pointer) travels with its count in count[n], so items are written from shared
+  // memory alone.
+  for (int n = tid; n < R; n += kSmallThreads) {
+    const int32_t len = count[n], start = cursor[n] - len;  // cursor[n]: the row's end since the placing
+    count[n] = pack_row(start, len);
+    cursor[n] = len / per_item;
+  }
   __syncthreads();
   const int32_t head_full = block_exclusive_scan(cursor, cursor, R, warp_sums);
   const int n_begin = int(int64_t(R) * warp / kSmallWarps), n_end = int(int64_t(R) * (warp + 1) / kSmallWarps);
   for (int n = n_begin + lane; n < n_end; n += 32) {
-    const int t = count[n] % per_item;
+    const int t = row_len(count[n]) % per_item;
     if (t > 0) atomicAdd(&tails[warp * kSmallMaxPerItem + t], 1);
   }
   __syncthreads();
@@ -476,7 +495,7 @@ __global__ void __launch_bounds__(kSmallThreads, 1) small_schedule_kernel(const 
     else for (int w = 0; w < kSmallWarps; ++w) c += tails[w * kSmallMaxPerItem + tid];
     published[tid] = c;
   }
-  cluster.sync();  // every head's counts published
+  cluster.sync();  // every head's counts (and invalid entries) published
   if (tid < kSmallMaxPerItem) {
     int32_t below = 0, all = 0;
     for (int g = 0; g < Hkv; ++g) {
@@ -486,12 +505,29 @@ __global__ void __launch_bounds__(kSmallThreads, 1) small_schedule_kernel(const 
     }
     heads_before[tid] = below, heads_all[tid] = all;
   }
-  cluster.sync();  // every CTA is done reading the others' counts (none exits before)
+  if (h == 0 && tid == kSmallMaxPerItem) {  // the plan's status: the first head's invalid entry, if any
+    int32_t st[4] = {0, 0, 0, 0};
+    for (int g = Hkv - 1; g >= 0; --g) {
+      const int32_t* hs = cluster.map_shared_rank(head_status, g);
+      if (hs[0] != 0)
+        for (int i = 0; i < 4; ++i) st[i] = hs[i];
+    }
+    for (int i = 0; i < 4; ++i) a.edges.status[i] = st[i];
+  }
+  cluster.sync();  // every CTA is done reading the others' shared memory (none exits before)
+  // The schedule's items past the last one written.
+  {
+    int32_t total = 0;
+    for (int t = 0; t < per_item; ++t) total += heads_all[t];
+    const int64_t first = int64_t(h) * kSmallThreads + tid, step = int64_t(Hkv) * kSmallThreads;
+    for (int64_t i = int64_t(total) * kWorkItemInts + first; i < a.capacity * kWorkItemInts; i += step)
+      reinterpret_cast<int32_t*>(a.items)[i] = -1;
+  }
 
   // Full items: the heads before this one's first, then this head's in row order.
   const int32_t full_base = heads_before[0];
   for (int n = tid; n < R; n += kSmallThreads) {
-    const int32_t begin = row_ptr[n], nfull = count[n] / per_item;
+    const int32_t begin = row_start(count[n]), nfull = row_len(count[n]) / per_item;
     for (int c = 0; c < nfull; ++c) {
       const int64_t i = int64_t(full_base) + cursor[n] + c;
       if (i < a.capacity) write_item(a.items + i, h, n, begin + c * per_item, per_item, a.rows);
@@ -516,10 +552,12 @@ __global__ void __launch_bounds__(kSmallThreads, 1) small_schedule_kernel(const 
   const uint32_t lanes_below = (1u << lane) - 1u;
   for (int n0 = n_begin; n0 < n_end; n0 += 32) {
     const int n = n0 + lane;
-    const int t = n < n_end ? count[n] % per_item : 0;
+    const int32_t packed = n < n_end ? count[n] : 0;
+    const int t = row_len(packed) % per_item;
     const uint32_t same = __match_any_sync(0xffffffffu, t > 0 ? t : per_item + lane);
     const int64_t i = take_in_lane_order(&tails[warp * kSmallMaxPerItem + t], same, t > 0, lanes_below);
-    if (t > 0 && i < a.capacity) write_item(a.items + i, h, n, row_ptr[n] + (count[n] / per_item) * per_item, t, a.rows);
+    if (t > 0 && i < a.capacity)
+      write_item(a.items + i, h, n, row_start(packed) + (row_len(packed) / per_item) * per_item, t, a.rows);
   }
 }
 

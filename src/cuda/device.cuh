@@ -258,6 +258,10 @@ __device__ __forceinline__ void prefetch_l2_bulk(const void* src, uint32_t bytes
 __device__ __forceinline__ void prefetch_l2_line(const void* src) {
   asm volatile("prefetch.global.L2 [%0];\n" ::"l"(src));
 }
+// ... into L1 as well (read later by this SM).
+__device__ __forceinline__ void prefetch_l1_line(const void* src) {
+  asm volatile("prefetch.global.L1 [%0];\n" ::"l"(src));
+}
 __device__ __forceinline__ void tma_store_2d(const void* map, int c0, int c1, uint32_t src, uint64_t policy) {
   asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.tile.bulk_group.L2::cache_hint [%0, {%1, %2}], [%3], %4;\n" ::"l"(
                    map),
