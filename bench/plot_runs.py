@@ -32,7 +32,7 @@ def main(src, dst):
         ax.bar(range(len(ratio)), ratio, color=colors)
         ax.axhline(1.0, color="black", linewidth=0.8)
         ax.set_xticks(range(len(ratio)), d[labels], rotation=40, ha="right", fontsize=8)
-        ax.set_ylim(0, 1.2)
+        ax.set_ylim(0, max(1.2, max(ratio) + 0.1))
         ax.set_title(title, fontsize=10)
         for i, r in enumerate(ratio):
             ax.text(i, r + 0.02, f"{r:.2f}", ha="center", fontsize=7)
