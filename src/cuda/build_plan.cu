@@ -279,8 +279,6 @@ struct SmallScheduleArgs {
   const int32_t* rows;   // [total_rows, 2]: (document, block) of a row
   int per_item;
   int64_t capacity;      // schedule items
-  int64_t q_index_ints;  // q_indices / split_slot elements
-  int64_t split_count_ints;
   int32_t* q_indices;    // [Hkv, total_q * kTopk]
   int32_t* split_slot;
   int32_t* row_ptr;      // [Hkv, rows + 1]
@@ -770,8 +768,6 @@ void build_schedule(const Topology& topo, const TensorView& topk, SparsePlan& pl
                         static_cast<const int32_t*>(plan.rows.data()),
                         plan.q_per_cta,
                         state.schedule_capacity,
-                        plan.q_indices.bytes() / 4,
-                        plan.split_counts.bytes() / 4,
                         static_cast<int32_t*>(plan.q_indices.data()),
                         static_cast<int32_t*>(plan.split_slot.data()),
                         static_cast<int32_t*>(plan.row_ptr.data()),
