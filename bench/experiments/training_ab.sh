@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Same-machine A/B of training builds on a GPU: runs the training benchmark (`msa bench
+# --tokens ...`, independent selection) for every build in turn, twice, and prints per size and
+# op (indexer, forward, backward, deterministic backward, KL) each build's time (the better of
+# its two rounds) and its ratio to the first build's. Every tool's output goes to OUT, and only
+# the short table to stdout, so that it survives a truncated log.
+#
+#   bench/experiments/training_ab.sh OUT base=/path/to/old/msa new=build/tools/msa/msa
+#
+# A build is NAME=BINARY (built elsewhere and carried, so that no GPU time goes into building).
+# TRAINING_AB_TOKENS (default 16384), TRAINING_AB_REPEATS (default 10).
+set -u -o pipefail
+OUT=${1:?usage: training_ab.sh OUT NAME=BINARY NAME=BINARY ...}; shift
+(($# >= 2)) || { echo "give at least two builds" >&2; exit 2; }
+mkdir -p "$OUT"
+ROOT=$(cd "$(dirname "$0")/../.." && pwd)
+T0=$(date +%s)
+note() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
+names=()
+bins=()
+for spec in "$@"; do
+  names+=("${spec%%=*}")
+  bins+=("${spec#*=}")
+  [ -x "${spec#*=}" ] || { echo "not an executable: ${spec#*=}" >&2; exit 2; }
+done
+for round in 1 2; do
+  for i in "${!names[@]}"; do
+    timeout "${TRAINING_AB_TIMEOUT:-300}" "${bins[$i]}" bench --backend cuda --tokens "${TRAINING_AB_TOKENS:-16384}" \
+      --selection independent --repeats "${TRAINING_AB_REPEATS:-10}" --json "$OUT/ab_${names[$i]}_$round.json" \
+      > "$OUT/ab_${names[$i]}_$round.log" 2>&1 || note "bench ${names[$i]} round $round failed (see its log)"
+  done
+  note "round $round"
+done
+python3 "$ROOT/bench/experiments/training_ab_compare.py" "$OUT" "${names[@]}"
