@@ -13,19 +13,7 @@
 # bench/data/prefill_SET.jsonl; default "issue14_chunks small_steps"; mid_steps: the manifest's
 # 1.4k-2.3k-query steps). JSON per build, round and set in OUT.
 set -u -o pipefail
-OUT=${1:?usage: prefill_ab.sh OUT NAME=BINARY NAME=BINARY ...}; shift
-(($# >= 2)) || { echo "give at least two builds" >&2; exit 2; }
-mkdir -p "$OUT"
-ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-T0=$(date +%s)
-note() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
-names=()
-bins=()
-for spec in "$@"; do
-  names+=("${spec%%=*}")
-  bins+=("${spec#*=}")
-  [ -x "${spec#*=}" ] || { echo "not an executable: ${spec#*=}" >&2; exit 2; }
-done
+source "$(dirname "$0")/ab_builds.sh"
 for round in 1 2; do
   for i in "${!names[@]}"; do
     for set in ${PREFILL_AB_SETS:-issue14_chunks small_steps}; do

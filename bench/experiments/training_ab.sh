@@ -10,19 +10,7 @@
 # A build is NAME=BINARY (built elsewhere and carried, so that no GPU time goes into building).
 # TRAINING_AB_TOKENS (default 16384), TRAINING_AB_REPEATS (default 10).
 set -u -o pipefail
-OUT=${1:?usage: training_ab.sh OUT NAME=BINARY NAME=BINARY ...}; shift
-(($# >= 2)) || { echo "give at least two builds" >&2; exit 2; }
-mkdir -p "$OUT"
-ROOT=$(cd "$(dirname "$0")/../.." && pwd)
-T0=$(date +%s)
-note() { echo "[$(( $(date +%s) - T0 ))s] $*"; }
-names=()
-bins=()
-for spec in "$@"; do
-  names+=("${spec%%=*}")
-  bins+=("${spec#*=}")
-  [ -x "${spec#*=}" ] || { echo "not an executable: ${spec#*=}" >&2; exit 2; }
-done
+source "$(dirname "$0")/ab_builds.sh"
 for round in 1 2; do
   for i in "${!names[@]}"; do
     timeout "${TRAINING_AB_TIMEOUT:-300}" "${bins[$i]}" bench --backend cuda --tokens "${TRAINING_AB_TOKENS:-16384}" \
