@@ -4,7 +4,7 @@
 #
 #   bench/experiments/training_kernels_ncu.sh build/tools/msa/msa kl_chunks_kernel 16384 > OUT/ncu_kl.txt
 #
-# The output is long: send it to a file (a device call's log keeps only its tail). The stall
+# The output is long: send it to a file rather than to a log that may keep only its tail. The stall
 # table reads ncu's source page as CSV; where its column names differ in another ncu version it
 # prints the names it found instead.
 #
@@ -22,7 +22,7 @@ ncu --kernel-name "$KERNEL" --launch-count 1 --import-source no \
   { echo "ncu failed" >&2; exit 1; }
 ncu --import "$REP.ncu-rep" --page details --print-units base 2> /dev/null |
   grep -v -E "^\s*-+\s*$|^\s*$|OPT |INF |WRN " | head -150
-# The SASS lines with the most stall samples, and what they stalled on.
+# The SASS lines with the most stall samples.
 ncu --import "$REP.ncu-rep" --page source --print-source sass --csv 2> /dev/null | python3 -c '
 import csv, sys
 rows = list(csv.reader(sys.stdin))
@@ -45,7 +45,6 @@ def num(x):
     except ValueError:
         return 0.0
 total = sum(num(r[samp]) for r in body) or 1.0
-stall_cols = [i for i, h in enumerate(head) if h.startswith("stall_") or "Stall" in h and i != samp]
 print(f"{len(body)} SASS lines, {total:.0f} samples; top 40:")
 for r in sorted(body, key=lambda r: -num(r[samp]))[:40]:
     print(f"{100 * num(r[samp]) / total:5.1f}%  {r[src][:110]}")
