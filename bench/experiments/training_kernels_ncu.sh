@@ -26,9 +26,12 @@ ncu --import "$REP.ncu-rep" --page details --print-units base 2> /dev/null |
 ncu --import "$REP.ncu-rep" --page source --print-source sass --csv 2> /dev/null | python3 -c '
 import csv, sys
 rows = list(csv.reader(sys.stdin))
-if not rows:
-    sys.exit("no source page")
-head = rows[0]
+# The page opens with the kernel name on a line of its own; the header of the table is the
+# first row that names a "Source" column.
+start = next((i for i, r in enumerate(rows) if "Source" in r), None)
+if start is None:
+    sys.exit("no source table; first rows: " + " | ".join(", ".join(r[:6]) for r in rows[:3]))
+head, rows = rows[start], rows[start:]
 def col(*names):
     for n in names:
         if n in head:

@@ -13,9 +13,9 @@
 //                                          after a barrier that follows its last read of
 //                                          the stage's query tiles
 //   flush(chunk)                           write the chunk's accumulators
-// With kStages == 1 release() refills the only stage with the next sub-chunk; with
-// kStages == 2 the next sub-chunk is already loading into the other stage and release()
-// refills this one with the sub-chunk after it.
+// With kStages == 1 release() refills the only stage with the next sub-chunk; with a ring of
+// kStages > 1 the next kStages - 1 sub-chunks are already loading into the other stages and
+// release() refills this one with the sub-chunk kStages on.
 // The steps that the two kernels share inside these hooks: backward_steps.cuh.
 #pragma once
 
@@ -115,17 +115,25 @@ struct SlotQuery {
   bool valid;
 };
 
-// Query qi of the chunk: writes its QueryMeta (lane 0) and returns it for the loads.
-__device__ __forceinline__ SlotQuery chunk_query(const ChunkList& list, const Chunk& ch, int qi, QueryMeta& meta,
-                                                 int lane) {
-  SlotQuery q{0, qi < ch.q_count};
+// The plan's record of query qi of a chunk (read when walk_chunks' RecordFetch says).
+struct QueryRecord {
+  int local;  // document-local query; -1 when qi is past the chunk's queries
+  int slot;   // the edge's partial slot
+};
+__device__ __forceinline__ QueryRecord fetch_query(const ChunkList& list, const Chunk& ch, int qi) {
+  if (qi >= ch.q_count) return {-1, 0};
+  return {list.q_indices[ch.edge0 + qi], list.split_slot[ch.edge0 + qi]};
+}
+
+// Places a fetched query in a slot: writes its QueryMeta (lane 0) and returns it for the loads.
+__device__ __forceinline__ SlotQuery place_query(const Chunk& ch, QueryRecord rec, QueryMeta& meta, int lane) {
+  SlotQuery q{0, rec.local >= 0};
   if (q.valid) {
-    const int ql = list.q_indices[ch.edge0 + qi];
-    q.row = ch.doc.q_start + ql;
+    q.row = ch.doc.q_start + rec.local;
     if (lane == 0) {
       meta.row = q.row;
-      meta.slot = list.split_slot[ch.edge0 + qi];
-      meta.limit = ch.doc.k_len - ch.doc.q_len + ql - ch.key0;
+      meta.slot = rec.slot;
+      meta.limit = ch.doc.k_len - ch.doc.q_len + rec.local - ch.key0;
     }
   } else if (lane == 0) {
     meta.row = -1;
@@ -133,23 +141,29 @@ __device__ __forceinline__ SlotQuery chunk_query(const ChunkList& list, const Ch
   return q;
 }
 
-template <int kStages, class Kernel>
+// When the walker reads the plan records of the sub-chunk that release() loads: inside
+// release(), or one sub-chunk ahead, before the body whose time then covers the loads'
+// latency. Measured at 16k (run 38): ahead took 5 % off the KL and added 2 % to the
+// backward, whose registers are at their limit.
+enum class RecordFetch { in_release, ahead };
+
+template <int kStages, RecordFetch kFetch = RecordFetch::in_release, class Kernel>
 __device__ __forceinline__ void walk_chunks(const ChunkList& list, QueryMeta (&meta)[kStages][kWalkerWarps],
                                             Kernel& kernel) {
-  static_assert(kStages == 1 || kStages == 2, "one stage refilled mid-body, or two alternating");
+  static_assert(kStages >= 1 && kStages <= 4, "one stage refilled mid-body, or a ring of stages");
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int nchunks = *list.count;
   for (int c = blockIdx.x; c < nchunks; c += gridDim.x) {
     const Chunk ch = open_chunk(list, c);
-    auto load_queries = [&](int sub) {
+    auto fetch = [&](int sub) { return fetch_query(list, ch, sub * kSubQueries + warp); };
+    auto load_queries = [&](int sub, QueryRecord rec) {
       const int stage = sub % kStages;
-      kernel.load_queries(ch, chunk_query(list, ch, sub * kSubQueries + warp, meta[stage][warp], lane), stage);
+      kernel.load_queries(ch, place_query(ch, rec, meta[stage][warp], lane), stage);
     };
     kernel.load_block(ch);
-    load_queries(0);
-    cp_async_commit();
-    if constexpr (kStages == 2) {
-      if (ch.nsub > 1) load_queries(1);
+#pragma unroll
+    for (int first = 0; first < kStages; ++first) {  // the key block goes with the first group
+      if (first < ch.nsub) load_queries(first, fetch(first));
       cp_async_commit();
     }
     kernel.begin_chunk(ch);
@@ -161,12 +175,15 @@ __device__ __forceinline__ void walk_chunks(const ChunkList& list, QueryMeta (&m
     }
     int sub = 0;
     do {  // a chunk holds at least one query
+      QueryRecord ahead{};
+      if constexpr (kFetch == RecordFetch::ahead) ahead = fetch(sub + kStages);
       cp_async_wait<kStages - 1>();  // this sub-chunk's group (and the key block with the first)
       fence_proxy_async();
       __syncthreads();
       const int stage = sub % kStages;
       kernel.sub_chunk(ch, stage, meta[stage], [&] {
-        if (sub + kStages < ch.nsub) load_queries(sub + kStages);
+        if (sub + kStages < ch.nsub)
+          load_queries(sub + kStages, kFetch == RecordFetch::ahead ? ahead : fetch(sub + kStages));
         cp_async_commit();  // one group per sub-chunk, empty or not, keeps the wait counts right
       });
     } while (++sub < ch.nsub);

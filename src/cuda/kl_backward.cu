@@ -85,22 +85,38 @@ __device__ __forceinline__ void fold_half(float (&v)[32], int lane) {
 
 // Teacher of warp w's query: column sums of exp(S scale - lse) over its 16 heads, visible
 // keys only (selected, never multiplied: S may be NaN on a masked key). Branch-free: the
-// exponentials are not duplicated per condition.
+// exponentials are not duplicated per condition. S comes in two halves of 64 keys, the
+// second still on the tensor cores while the first half's exponentials run.
 __device__ __forceinline__ void teacher_row(const KlArgs& a, const WalkerThread& th, const Chunk& ch, uint32_t qs,
                                             uint32_t ks, const QueryMeta& m, float (&teacher)[kBlockSize]) {
-  float s[kKeyFrags][4], colsum[2 * kKeyFrags];  // colsum[2 nt + e]: column nt * 8 + 2t + e, this lane's 2 heads
-  wgmma_rows_x128(s, qs, kSubRows, th.wg_row, ks, kBlockSize, 0);
+  // The LSE loads go ahead of the products, whose time covers their latency.
   const HeadRows rows = head_rows(m, a.Hq, ch, th);
   const HeadPair lse = head_values(a.lse, rows, -INFINITY);
+  float s[2][kKeyFrags / 2][4], colsum[2 * kKeyFrags];  // colsum[2 nt + e]: column nt * 8 + 2t + e, this lane's 2 heads
+  wgmma_fence();
+#pragma unroll
+  for (int hh = 0; hh < 2; ++hh) {
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk)
+      wgmma_m64n64k16(s[hh], tile_desc(qs, kSubRows, th.wg_row, kk), tile_desc(ks, kBlockSize, 64 * hh, kk), kk > 0);
+    wgmma_commit();
+  }
   const float la = lse_log2(lse.a), lb = lse_log2(lse.b);
+  auto column_sums = [&](int hh) {
 #pragma unroll
-  for (int nt = 0; nt < kKeyFrags; ++nt)
+    for (int i = 0; i < kKeyFrags / 2; ++i)
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const bool vis = nt * 8 + 2 * th.t + e <= rows.lim;
-      const float pa = softmax_p(s[nt][e], a.scale_log2, la), pb = softmax_p(s[nt][2 + e], a.scale_log2, lb);
-      colsum[2 * nt + e] = vis ? pa + pb : 0.f;
-    }
+      for (int e = 0; e < 2; ++e) {
+        const int nt = (kKeyFrags / 2) * hh + i;
+        const bool vis = nt * 8 + 2 * th.t + e <= rows.lim;
+        const float pa = softmax_p(s[hh][i][e], a.scale_log2, la), pb = softmax_p(s[hh][i][2 + e], a.scale_log2, lb);
+        colsum[2 * nt + e] = vis ? pa + pb : 0.f;
+      }
+  };
+  wgmma_wait<1>();
+  column_sums(0);
+  wgmma_wait<0>();
+  column_sums(1);
   // Sum over the 8 lanes of a column group (r0 = lane bits 2..4) by halving: per lane bit,
   // a lane keeps the half of its values that the bit selects and adds its partner's copy of
   // it, so that lane r0 ends with columns 2 r0 and 2 r0 + 1 of every t (colsum[0..3]). Every
@@ -121,6 +137,8 @@ __device__ __forceinline__ void teacher_row(const KlArgs& a, const WalkerThread&
 __device__ __forceinline__ void student_ds(const KlArgs& a, const WalkerThread& th, const Chunk& ch, uint32_t iqs,
                                            uint32_t iks, uint32_t dst, const QueryMeta& m,
                                            const float (&teacher)[kSubQueries][kBlockSize]) {
+  // The index LSE load goes ahead of the products, whose time covers its latency.
+  const float il = m.row >= 0 ? a.index_lse[int64_t(ch.head_kv) * a.chunks.total_q + m.row] * math::kLog2e : -INFINITY;
   float si[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
 #pragma unroll
   for (int kt = 0; kt < 8; ++kt) {
@@ -130,7 +148,6 @@ __device__ __forceinline__ void student_ds(const KlArgs& a, const WalkerThread& 
     mma_bf16(si[0], af, bf[0], bf[1]);
     mma_bf16(si[1], af, bf[2], bf[3]);
   }
-  const float il = m.row >= 0 ? a.index_lse[int64_t(ch.head_kv) * a.chunks.total_q + m.row] * math::kLog2e : -INFINITY;
   const int limit = m.row >= 0 ? m.limit : -1;  // an empty slot sees no key
   // ds selected by visibility: a masked key's score may be NaN and is never used.
 #pragma unroll
@@ -243,7 +260,7 @@ __global__ void __launch_bounds__(kWalkerThreads, 1) kl_chunks_kernel(const __gr
   if (a.chunks.status[0] != 0) return;
   KlStorage& s = shared_storage<KlStorage>(smem);
   KlChunks kernel(a, s);
-  walk_chunks<kStages>(a.chunks, s.meta, kernel);
+  walk_chunks<kStages, RecordFetch::ahead>(a.chunks, s.meta, kernel);
 }
 
 }  // namespace
