@@ -119,7 +119,11 @@ TEST_F(Errors, WrongDtype) {
   const HostTensor iq32(DType::f32, {203, 4, 128});
   auto p = select_params();
   p.index_q = iq32.view();
-  expect_rejected([&] { select(p); }, {"index_q must be bf16, got f32"});
+  expect_rejected([&] { select(p); }, {"index_q must be bf16 or fp8_e4m3, got f32"});
+  const HostTensor ik16(DType::f16, {203, 1, 128});
+  p = select_params();
+  p.index_k = ik16.view();
+  expect_rejected([&] { select(p); }, {"index_k must be bf16 or fp8_e4m3, got f16"});
 
   const HostTensor q16(DType::f16, {203, 64, 128});
   auto f = forward_params();

@@ -174,6 +174,29 @@ TEST(GpuIndexer, NanScoresAreNeverSelected) {
   compare_lse(gpu.lse, cpu.lse, same);
 }
 
+TEST(GpuIndexer, Fp8InputsSelectAsTheirBf16Values) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  // FP8 E4M3 index inputs against the CPU on the same inputs, and bitwise against the GPU on
+  // bf16 copies of their values (exact), also with only one of the two in FP8.
+  const Topology topo;
+  const PackedLayout L = layout_of({4000, 300, 1, 129}, {4000, 300, 1, 2500});
+  const IndexerInputs fp8{
+      random_tensor(rng, {L.total_q(), topo.num_index_heads, topo.index_head_dim}, 1.0f, DType::f8e4m3),
+      random_tensor(rng, {L.total_k(), 1, topo.index_head_dim}, 1.0f, DType::f8e4m3)};
+  const Selection gpu = gpu_select(topo, L, fp8.iq, fp8.ik, true);
+  const Selection cpu = cpu_select(topo, L, fp8.iq, fp8.ik, true);
+  std::vector<char> same;
+  compare_selections(topo, L, fp8, gpu.topk, cpu.topk, 5e-3, same);
+  compare_lse(gpu.lse, cpu.lse, same);
+  const HostTensor q16 = converted(fp8.iq, DType::bf16), k16 = converted(fp8.ik, DType::bf16);
+  for (const auto& [q, k] : {std::pair{&q16, &k16}, std::pair{&fp8.iq, &k16}, std::pair{&q16, &fp8.ik}}) {
+    const Selection other = gpu_select(topo, L, *q, *k, true);
+    EXPECT_TRUE(bitwise_equal(other.topk, gpu.topk));
+    EXPECT_TRUE(bitwise_equal(other.lse, gpu.lse));
+  }
+}
+
 TEST(GpuIndexer, RepeatedRunsAreBitwiseIdentical) {
   MSA_REQUIRE_GPU();
   MSA_SEEDED_RNG(rng);

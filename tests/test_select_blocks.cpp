@@ -207,6 +207,27 @@ TEST(Indexer, DocumentsWithoutQueries) {
   run_and_check(Topology{}, L, rng);
 }
 
+TEST(Indexer, Fp8InputsSelectAsTheirBf16Values) {
+  MSA_SEEDED_RNG(rng);
+  // FP8 E4M3 index inputs (scale 1) against the oracle, and against bf16 inputs holding the
+  // same values: every E4M3 value is exact in bf16, so selection and LSE are bitwise those of
+  // the bf16 run, also with only one of the two inputs in FP8.
+  const Topology topo;
+  const PackedLayout L = layout_of({2700, 300, 1, 129}, {2700, 300, 1, 2500});
+  const Inputs fp8{random_tensor(rng, {L.total_q(), topo.num_index_heads, topo.index_head_dim}, 1.0f, DType::f8e4m3),
+                   random_tensor(rng, {L.total_k(), 1, topo.index_head_dim}, 1.0f, DType::f8e4m3)};
+  const IndexerOutputs out = run_indexer(topo, L, fp8.index_q, fp8.index_k);
+  check_selection(topo, L, fp8, out.topk);
+  check_lse(topo, L, fp8, out);
+  const HostTensor q16 = converted(fp8.index_q, DType::bf16), k16 = converted(fp8.index_k, DType::bf16);
+  const IndexerOutputs runs[] = {run_indexer(topo, L, q16, k16), run_indexer(topo, L, fp8.index_q, k16),
+                                 run_indexer(topo, L, q16, fp8.index_k)};
+  for (const IndexerOutputs& r : runs) {
+    EXPECT_EQ(r.topk.ints(), out.topk.ints());
+    EXPECT_EQ(r.lse.raw(), out.lse.raw());
+  }
+}
+
 TEST(Indexer, ChunkedPrefillUsesBottomRightAlignment) {
   MSA_SEEDED_RNG(rng);
   // Queries are the last q_len of k_len tokens: positions k_len - q_len + i.

@@ -90,6 +90,13 @@ inline HostTensor random_tensor(std::mt19937_64& rng, std::vector<int64_t> shape
   return t;
 }
 
+// The same values in another dtype (exact where every value fits it, as E4M3 in bf16).
+inline HostTensor converted(const HostTensor& t, DType dtype) {
+  HostTensor out(dtype, t.shape());
+  for (int64_t e = 0; e < t.numel(); ++e) out.set(e, t.at(e));
+  return out;
+}
+
 inline HostTensor int_tensor(const std::vector<int32_t>& values, std::vector<int64_t> shape) {
   HostTensor t(DType::i32, std::move(shape));
   std::memcpy(t.data<int32_t>(), values.data(), values.size() * sizeof(int32_t));

@@ -33,8 +33,8 @@ struct RunOptions {
 // blocks in rank order, the other local blocks ascending, the query's own block last.
 // NaN scores (a block with any NaN token score) are never ranked.
 struct SelectBlocksParams {
-  TensorView index_q;       // [total_q, Hi, Di] bf16
-  TensorView index_k;       // [total_k, 1, Di] bf16 (one key head shared by all index heads)
+  TensorView index_q;       // [total_q, Hi, Di] bf16 or f8e4m3 (FP8 E4M3, scale 1)
+  TensorView index_k;       // [total_k, 1, Di] bf16 or f8e4m3 (one key head shared by all index heads)
   TensorView topk;          // out: [Hi, total_q, topk] int32
   TensorView selected_lse;  // optional out: [Hi, total_q] f32, natural-log LSE over the
                             // selected causal keys of s / lse_temperature (s = index score);

@@ -60,7 +60,8 @@ def select_blocks(index_q, index_k, layout, topology=None, *, return_lse=False, 
                   deterministic=False, num_threads=0, stream=None):
     """Indexer: the blocks each (query, index head) attends, int32 [Hi, total_q, 16], valid ids
     first with the local block last, -1 padding. With ``return_lse`` also the natural-log LSE
-    of the index scores over the selected causal keys, float32 [Hi, total_q]."""
+    of the index scores over the selected causal keys, float32 [Hi, total_q]. ``index_q`` /
+    ``index_k``: bf16 or FP8 E4M3 (scale 1), each on its own."""
     hi = _dim(index_q, 1, "index_q", 3)
     topo = _topology(topology, GROUP_SIZE * hi, hi)
     run = _calls.run_options(index_q, deterministic=deterministic, num_threads=num_threads, stream=stream)

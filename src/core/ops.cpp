@@ -25,6 +25,9 @@ using detail::require;
 namespace {
 
 constexpr auto kBf16 = {DType::bf16};
+// The indexer's inputs: bf16, or FP8 E4M3 (scale 1), each on its own; every E4M3 value is
+// exact in bf16, so the scores are the same dot products either way.
+constexpr auto kIndexInput = {DType::bf16, DType::f8e4m3};
 constexpr auto kFloatOut = {DType::bf16, DType::f32};
 
 bool on_cuda(const TensorView& t) { return t.device.is_cuda(); }
@@ -158,8 +161,8 @@ void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBloc
   detail::check_present(p.index_q, "index_q");
   const Device dev = p.index_q.device;
   const int Hi = topo.num_index_heads, Di = topo.index_head_dim;
-  check_tensor(p.index_q, "index_q", kBf16, {Dim(L.total_q(), "total_q"), Dim(Hi, "Hi"), Dim(Di)}, dev);
-  check_tensor(p.index_k, "index_k", kBf16, {Dim(L.total_k(), "total_k"), Dim(1), Dim(Di)}, dev);
+  check_tensor(p.index_q, "index_q", kIndexInput, {Dim(L.total_q(), "total_q"), Dim(Hi, "Hi"), Dim(Di)}, dev);
+  check_tensor(p.index_k, "index_k", kIndexInput, {Dim(L.total_k(), "total_k"), Dim(1), Dim(Di)}, dev);
   check_tensor(p.topk, "topk", {DType::i32}, {Dim(Hi, "Hi"), Dim(L.total_q(), "total_q"), Dim(topo.topk, "16")}, dev);
   if (p.selected_lse.present())
     check_tensor(p.selected_lse, "selected_lse", {DType::f32}, {Dim(Hi, "Hi"), Dim(L.total_q(), "total_q")}, dev);

@@ -61,7 +61,6 @@ void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBloc
   }
   std::stable_sort(tiles.begin(), tiles.end(), [](const Tile& a, const Tile& b) { return a.blocks > b.blocks; });
 
-  const uint16_t* iq = p.index_q.as<const uint16_t>();  // [total_q, Hi, 128] bf16
   int32_t* topk = p.topk.as<int32_t>();                 // [Hi, total_q, K]
   float* sel_lse = want_lse ? p.selected_lse.as<float>() : nullptr;
 
@@ -85,9 +84,11 @@ void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBloc
       const int64_t first_row = d.q_start + tile.first;
       const int64_t first_pos = d.k_len - d.q_len + tile.first;
       std::fill(qtile_t.begin(), qtile_t.end(), 0.0f);
-      for (int v = 0; v < vectors; ++v)
-        for (int e = 0; e < kDim; ++e)
-          qtile_t[size_t(e * kTileVectors + v)] = bf16_to_float(iq[(first_row * Hi + v) * kDim + e]);
+      for (int v = 0; v < vectors; ++v) {
+        float row[kDim];  // index_q [total_q, Hi, 128], bf16 or E4M3
+        load_row(p.index_q, (first_row * Hi + v) * kDim, kDim, row);
+        for (int e = 0; e < kDim; ++e) qtile_t[size_t(e * kTileVectors + v)] = row[e];
+      }
       // Causal limit of each lane, relative to the tile's first position (unused lanes: -1).
       f32x16 limit[kGroups];
       for (int c = 0; c < kGroups; ++c)

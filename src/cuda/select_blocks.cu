@@ -16,6 +16,9 @@
 // enters a list, ~5x the blocks finally kept at 128k.
 // In every quad of lanes, lane 0 owns the list of row g and lane 1 the list of row g + 8.
 //
+// FP8 E4M3 index inputs are widened to bf16 copies before the launch (every E4M3 value is
+// exact in bf16, so the selection is the same as on bf16 inputs holding those values); the
+// kernel itself reads bf16.
 // Selection (as the CPU backend): with nvis <= 16 visible blocks all of them ascending;
 // else the init blocks ascending, the best slots = 16 - init - local blocks of the rest by
 // (score desc, id asc), then the local blocks ascending (the query's own block last). A
@@ -27,6 +30,7 @@
 #include "msa/constants.h"
 #include "cuda/common.cuh"
 #include "cuda/device.cuh"
+#include "cuda/inference/quant.cuh"  // e4m3_to_f32
 #include "cuda/named_barriers.cuh"
 #include "cuda/selected_lse.h"
 #include "cuda/tensor_map.h"
@@ -288,12 +292,36 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
+__global__ void widen_e4m3_kernel(const uint8_t* __restrict__ in, __nv_bfloat16* __restrict__ out, int64_t n) {
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < n; e += int64_t(gridDim.x) * blockDim.x)
+    out[e] = __float2bfloat16_rn(inference::e4m3_to_f32(in[e]));  // exact: 3 mantissa bits fit bf16's 7
+}
+
+// A bf16 copy of an E4M3 index input (contiguous, as validated), freed in stream order after
+// the indexer's launches; a bf16 input is used as it is.
+TensorView bf16_index_input(const TensorView& t, Buffer& holder, cudaStream_t s) {
+  if (t.dtype != DType::f8e4m3) return t;
+  holder = Buffer(t.device, DType::bf16, t.shape_vector(), s, Release::in_stream);
+  const int64_t n = t.numel();
+  if (n > 0) {
+    widen_e4m3_kernel<<<int(std::min<int64_t>(ceil_div(n, 256), 4096)), 256, 0, s>>>(
+        t.as<const uint8_t>(), static_cast<__nv_bfloat16*>(holder.data()), n);
+    MSA_CUDA_CHECK_LAUNCH("widen_e4m3_kernel");
+  }
+  return holder.view();
+}
+
 }  // namespace
 
-void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBlocksParams& p, const RunOptions& opt) {
-  if (p.selected_lse.present()) check_selected_lse_size(L);  // before anything is written
-  DeviceGuard guard(p.index_q.device.index);
+void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBlocksParams& given,
+                   const RunOptions& opt) {
+  if (given.selected_lse.present()) check_selected_lse_size(L);  // before anything is written
+  DeviceGuard guard(given.index_q.device.index);
   const cudaStream_t s = as_stream(opt);
+  Buffer wide_q, wide_k;  // live until the launches below are queued
+  SelectBlocksParams p = given;
+  p.index_q = bf16_index_input(given.index_q, wide_q, s);
+  p.index_k = bf16_index_input(given.index_k, wide_k, s);
   IndexerArgs a{};
   a.iq = p.index_q.as<const __nv_bfloat16>();
   a.ik = p.index_k.as<const __nv_bfloat16>();

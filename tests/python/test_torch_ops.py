@@ -179,6 +179,21 @@ def test_merge_states_op():
     np.testing.assert_allclose(lse.numpy(), want_lse, rtol=1e-5, atol=1e-5)
 
 
+def test_select_blocks_takes_fp8_index_inputs():
+    # FP8 E4M3 index_q / index_k (scale 1) select exactly as bf16 copies of their values.
+    g = torch.Generator().manual_seed(5)
+    t = CU[-1]
+    iq8 = torch.randn(t, 1, 128, generator=g).to(torch.float8_e4m3fn)
+    ik8 = torch.randn(t, 1, 128, generator=g).to(torch.float8_e4m3fn)
+    cu = torch.tensor(CU, dtype=torch.int32)
+    topk8, lse8 = mt.select_blocks(iq8, ik8, cu, return_lse=True)
+    topk16, lse16 = mt.select_blocks(iq8.to(torch.bfloat16), ik8.to(torch.bfloat16), cu, return_lse=True)
+    assert torch.equal(topk8, topk16)
+    assert torch.equal(lse8, lse16)
+    with pytest.raises(ValueError, match="index_q must be bf16 or fp8_e4m3, got f16"):
+        mt.select_blocks(iq8.to(torch.float16), ik8, cu)
+
+
 def test_errors_surface_through_the_ops():
     x = inputs()
     topk = mt.select_blocks(x["iq"], x["ik"], x["cu"])

@@ -44,7 +44,8 @@ def select_blocks(index_q: Tensor, index_k: Tensor, cu_seqlens_q, cu_seqlens_k=N
                   init_blocks: int = 0, local_blocks: int = 1, index_scale: float = 0.0, lse_temperature: float = 1.0,
                   return_lse: bool = False, deterministic: bool = False):
     """Indexer: int32 top-k [Hi, total_q, 16] (local block last, -1 padding), optionally with the
-    selected LSE f32 [Hi, total_q] that ``indexer_kl_loss`` needs. Not differentiable."""
+    selected LSE f32 [Hi, total_q] that ``indexer_kl_loss`` needs. ``index_q`` / ``index_k``:
+    bfloat16 or float8_e4m3fn (scale 1). Not differentiable."""
     cu_q, cu_k, frag = _cu(cu_seqlens_q, cu_seqlens_k, fragment_indices)
     topk, lse = _ops.select_blocks(index_q.detach(), index_k.detach(), cu_q, cu_k, frag, init_blocks, local_blocks,
                                    index_scale, lse_temperature, return_lse, deterministic)
