@@ -241,7 +241,7 @@ def check_case(case, msa, backend, threads):
         return check_inference_case(row, inputs, meta, outputs)
     settings = settings_from(meta)
     q, k, v = as_f64(inputs["q"]), as_f64(inputs["k"]), as_f64(inputs["v"])
-    index_q, index_k = as_f64(inputs["index_q"]), as_f64(inputs["index_k"])
+    index_q, index_k = index_values(inputs["index_q"]), index_values(inputs["index_k"])
     cu_q, cu_k = inputs["cu_seqlens_q"].array, inputs["cu_seqlens_k"].array
     fragments = inputs["fragment_indices"].array if "fragment_indices" in inputs else None
     docs = oracle.documents(cu_q, cu_k, fragments)

@@ -4,7 +4,8 @@
 Cases: a mixed pack of document lengths around block edges, smaller packs at 64/4 and 32/2
 heads, all-zero index vectors (ties), chunked prefill (q_len < k_len), context-parallel
 fragments sharing one KV range, non-default forcing and scales, a caller-supplied selection,
-and an invalid selection that must be rejected. Inputs are random bf16, normal x 0.2.
+FP8 E4M3 index inputs, and an invalid selection that must be rejected. Inputs are random bf16,
+normal x 0.2 (the FP8 index inputs normal x 0.5).
 Inference cases (decode Q = 1 / 4 / 8 and paged prefill with prefixes 0, 1, 127, 128, 129 and
 beyond 16 pages) cover bf16, fp8 (per-tensor and per-(head, token) scales, fp8 index-K) and
 nvfp4 (with and without global scales) caches with shuffled physical pages and NaN in every
@@ -46,7 +47,7 @@ def _i32(values):
 
 
 def _write_case(out_dir, name, rng, cu_q, cu_k, hq, hkv, fragments=None, grad=True, zero_index=False, metadata=None,
-                topk=None):
+                topk=None, fp8_index=False):
     total_q, total_k = cu_q[-1], cu_k[-1]
     tensors = {
         "q": _bf16(rng, (total_q, hq, D)),
@@ -60,6 +61,9 @@ def _write_case(out_dir, name, rng, cu_q, cu_k, hq, hkv, fragments=None, grad=Tr
     if zero_index:
         tensors["index_q"] = st.Tensor("BF16", np.zeros((total_q, hkv, D), np.uint16))
         tensors["index_k"] = st.Tensor("BF16", np.zeros((total_k, 1, D), np.uint16))
+    if fp8_index:  # FP8 E4M3 index inputs (scale 1), normal x 0.5
+        tensors["index_q"] = st.Tensor("F8_E4M3", inf.e4m3_encode(rng.standard_normal((total_q, hkv, D)) * 0.5))
+        tensors["index_k"] = st.Tensor("F8_E4M3", inf.e4m3_encode(rng.standard_normal((total_k, 1, D)) * 0.5))
     if fragments is not None:
         tensors["fragment_indices"] = _i32(fragments)
     if grad:
@@ -209,6 +213,10 @@ def make_cases(out_dir, seed=1):
         cu_q=[0, 700], cu_k=[0, 3000], hq=16, hkv=1,
         metadata={"init_blocks": "2", "local_blocks": "2", "lse_temperature": "2.0", "softmax_scale": "0.05",
                   "index_scale": "0.1", "q_per_cta": "3", "kl_grad_scale": "0.001"})
+
+    cu_q, cu_k = _self_attention([2600, 129, 1])
+    add("fp8_index_inputs", "FP8 E4M3 index_q and index_k (scale 1): documents of 2600, 129, 1 tokens; 32 q / 2 kv heads",
+        cu_q=cu_q, cu_k=cu_k, hq=32, hkv=2, fp8_index=True)
 
     cu_q, cu_k = [0, 600, 800], [0, 3000, 3200]
     add("given_topk", "caller-supplied selection: random valid subsets in random order, local last (indexer skipped)",

@@ -23,6 +23,23 @@ const std::vector<std::string> kMetadataKeys = {"mode",          "init_blocks", 
                                                 "softmax_scale", "index_scale", "q_per_cta",    "kl_grad_scale",
                                                 "format"};
 
+// index_q / index_k: BF16, or F8_E4M3 (scale 1), which the indexer takes as it is.
+const StTensor& require_index_tensor(const SafetensorsFile& in, const std::string& name) {
+  const StTensor* t = in.find(name);
+  if (t && t->dtype != DType::bf16 && t->dtype != DType::f8e4m3)
+    invalid(in.path + ": tensor '" + name + "' must be BF16 or F8_E4M3 of rank 3, got " + describe(*t));
+  return require_tensor(in, name, t ? t->dtype : DType::bf16, {-1, -1, -1});
+}
+
+// The KL backward reads bf16 index inputs: an F8_E4M3 one as a bf16 copy (exact).
+StTensor bf16_values(const StTensor& t) {
+  StTensor out = make_tensor(t.name, DType::bf16, t.shape);
+  const std::vector<float> values = to_host_floats(t.view());
+  auto* dst = reinterpret_cast<uint16_t*>(out.bytes.data());
+  for (size_t i = 0; i < values.size(); ++i) dst[i] = float_to_bf16(values[i]);
+  return out;
+}
+
 Topology topology_from(const SafetensorsFile& in, const Metadata& meta, const StTensor& q, const StTensor& k,
                        const StTensor& index_q) {
   Topology topo;
@@ -161,8 +178,8 @@ int run_case(const SafetensorsFile& in, const std::string& out_path, const RunCa
   const StTensor& q = require_tensor(in, "q", DType::bf16, {-1, -1, -1});
   const StTensor& k = require_tensor(in, "k", DType::bf16, {-1, -1, -1});
   const StTensor& v = require_tensor(in, "v", DType::bf16, {-1, -1, -1});
-  const StTensor& index_q = require_tensor(in, "index_q", DType::bf16, {-1, -1, -1});
-  const StTensor& index_k = require_tensor(in, "index_k", DType::bf16, {-1, -1, -1});
+  const StTensor& index_q = require_index_tensor(in, "index_q");
+  const StTensor& index_k = require_index_tensor(in, "index_k");
   const StTensor& cu_q = require_tensor(in, "cu_seqlens_q", DType::i32, {-1});
   const StTensor& cu_k = require_tensor(in, "cu_seqlens_k", DType::i32, {-1});
   const StTensor* fragments = optional_tensor(in, "fragment_indices", DType::i32, {-1});
@@ -275,8 +292,13 @@ int run_case(const SafetensorsFile& in, const std::string& out_path, const RunCa
     buf.dindex_q = arena.allocate(DType::f32, {total_q, Hi, topo.index_head_dim});
     buf.dindex_k = arena.allocate(DType::f32, {total_k, 1, topo.index_head_dim});
     in_file([&] { sparse_attention_backward(topo, layout, plan, buf.backward_params(), run); });
+    Buffer kl_index_q, kl_index_k;  // bf16 copies of FP8 index inputs
+    if (index_q.dtype == DType::f8e4m3) kl_index_q = arena.upload(bf16_values(index_q).view());
+    if (index_k.dtype == DType::f8e4m3) kl_index_k = arena.upload(bf16_values(index_k).view());
     in_file([&] {
       KlBackwardParams p = buf.kl_params();
+      if (!kl_index_q.empty()) p.index_q = kl_index_q.view();
+      if (!kl_index_k.empty()) p.index_k = kl_index_k.view();
       p.index_lse = kl_lse_d.view();
       p.grad_scale = float(kl_grad_scale);
       kl_backward(topo, layout, plan, p, run);
