@@ -1,6 +1,8 @@
 // select_blocks on the GPU against the CPU backend. Selections must be equal; a row may
 // differ only at a near-tie of block scores (fp32 sums in another order), which is checked
 // against the float64 oracle's scores. The selected LSE is compared where the rows agree.
+#include <cstring>
+
 #include "test_gpu_shapes.h"
 #include "test_gpu_support.h"
 
@@ -174,27 +176,76 @@ TEST(GpuIndexer, NanScoresAreNeverSelected) {
   compare_lse(gpu.lse, cpu.lse, same);
 }
 
-TEST(GpuIndexer, Fp8InputsSelectAsTheirBf16Values) {
+TEST(GpuIndexer, Fp8InputsOnFp8TensorCores) {
   MSA_REQUIRE_GPU();
   MSA_SEEDED_RNG(rng);
-  // FP8 E4M3 index inputs against the CPU on the same inputs, and bitwise against the GPU on
-  // bf16 copies of their values (exact), also with only one of the two in FP8.
+  // E4M3 index q and K (the FP8 wgmma kernel) against the CPU's exact scores: the same
+  // selections up to near-ties. Its selected LSE is computed on bf16 copies of the codes, so on
+  // every row where its selection equals that of the bf16 kernel on those copies, the LSE is
+  // the same bits. Also 0.05-scaled codes, down among the subnormals.
   const Topology topo;
   const PackedLayout L = layout_of({4000, 300, 1, 129}, {4000, 300, 1, 2500});
-  const IndexerInputs fp8{
-      random_tensor(rng, {L.total_q(), topo.num_index_heads, topo.index_head_dim}, 1.0f, DType::f8e4m3),
-      random_tensor(rng, {L.total_k(), 1, topo.index_head_dim}, 1.0f, DType::f8e4m3)};
-  const Selection gpu = gpu_select(topo, L, fp8.iq, fp8.ik, true);
-  const Selection cpu = cpu_select(topo, L, fp8.iq, fp8.ik, true);
-  std::vector<char> same;
-  compare_selections(topo, L, fp8, gpu.topk, cpu.topk, 5e-3, same);
-  compare_lse(gpu.lse, cpu.lse, same);
-  const HostTensor q16 = converted(fp8.iq, DType::bf16), k16 = converted(fp8.ik, DType::bf16);
-  for (const auto& [q, k] : {std::pair{&q16, &k16}, std::pair{&fp8.iq, &k16}, std::pair{&q16, &fp8.ik}}) {
-    const Selection other = gpu_select(topo, L, *q, *k, true);
-    EXPECT_TRUE(bitwise_equal(other.topk, gpu.topk));
-    EXPECT_TRUE(bitwise_equal(other.lse, gpu.lse));
+  for (const float scale : {1.0f, 0.05f}) {
+    SCOPED_TRACE("scale " + std::to_string(scale));
+    const IndexerInputs fp8{
+        random_tensor(rng, {L.total_q(), topo.num_index_heads, topo.index_head_dim}, scale, DType::f8e4m3),
+        random_tensor(rng, {L.total_k(), 1, topo.index_head_dim}, scale, DType::f8e4m3)};
+    const Selection gpu = gpu_select(topo, L, fp8.iq, fp8.ik, true);
+    const Selection cpu = cpu_select(topo, L, fp8.iq, fp8.ik, true);
+    std::vector<char> same;
+    compare_selections(topo, L, fp8, gpu.topk, cpu.topk, 5e-3, same);
+    compare_lse(gpu.lse, cpu.lse, same);
+    const Selection wide = gpu_select(topo, L, converted(fp8.iq, DType::bf16), converted(fp8.ik, DType::bf16), true);
+    const auto gt = gpu.topk.ints(), wt = wide.topk.ints();
+    const auto gl = gpu.lse.floats(), wl = wide.lse.floats();
+    int64_t equal_rows = 0;
+    for (size_t r = 0; r < gl.size(); ++r) {
+      if (!std::equal(gt.begin() + long(r * 16), gt.begin() + long(r * 16 + 16), wt.begin() + long(r * 16))) continue;
+      ++equal_rows;
+      ASSERT_EQ(std::memcmp(&gl[r], &wl[r], sizeof(float)), 0) << "selected_lse row " << r;
+    }
+    EXPECT_GE(equal_rows, int64_t(gl.size()) * 99 / 100);
   }
+}
+
+TEST(GpuIndexer, OneFp8InputIsWidenedToBf16) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  // One side E4M3 and the other bf16: the E4M3 side is widened (exactly) and the bf16 kernel
+  // runs, so the result is bitwise that of bf16 copies on both sides.
+  const Topology topo;
+  const PackedLayout L = layout_of({3000, 129}, {3000, 2500});
+  const HostTensor q8 = random_tensor(rng, {L.total_q(), topo.num_index_heads, topo.index_head_dim}, 1.0f, DType::f8e4m3);
+  const HostTensor k8 = random_tensor(rng, {L.total_k(), 1, topo.index_head_dim}, 1.0f, DType::f8e4m3);
+  const HostTensor q16 = converted(q8, DType::bf16), k16 = converted(k8, DType::bf16);
+  const Selection both_bf16 = gpu_select(topo, L, q16, k16, true);
+  for (const auto& [q, k] : {std::pair{&q8, &k16}, std::pair{&q16, &k8}}) {
+    const Selection mixed = gpu_select(topo, L, *q, *k, true);
+    EXPECT_TRUE(bitwise_equal(mixed.topk, both_bf16.topk));
+    EXPECT_TRUE(bitwise_equal(mixed.lse, both_bf16.lse));
+  }
+}
+
+TEST(GpuIndexer, Fp8TiesAndNans) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  const Topology topo;
+  {
+    // All-zero codes: every score ties on the FP8 kernel too, and the lowest ids win.
+    const PackedLayout L = layout_of({2304, 700});
+    HostTensor iq(DType::f8e4m3, {L.total_q(), 4, 128}), ik(DType::f8e4m3, {L.total_k(), 1, 128});
+    EXPECT_EQ(gpu_select(topo, L, iq, ik).topk.ints(), cpu_select(topo, L, iq, ik).topk.ints());
+  }
+  // NaN codes (0x7f) in a few keys: their blocks score NaN for every query that sees them and
+  // are never ranked.
+  const PackedLayout L = layout_of({4000});
+  IndexerInputs in{random_tensor(rng, {L.total_q(), 4, 128}, 1.0f, DType::f8e4m3),
+                   random_tensor(rng, {L.total_k(), 1, 128}, 1.0f, DType::f8e4m3)};
+  for (int64_t t : {130, 1000, 1001, 2600, 3999}) in.ik.set(t * 128 + 7, std::numeric_limits<float>::quiet_NaN());
+  const Selection gpu = gpu_select(topo, L, in.iq, in.ik);
+  const Selection cpu = cpu_select(topo, L, in.iq, in.ik);
+  std::vector<char> same;
+  compare_selections(topo, L, in, gpu.topk, cpu.topk, 5e-3, same);
 }
 
 TEST(GpuIndexer, RepeatedRunsAreBitwiseIdentical) {

@@ -10,7 +10,7 @@ import json
 import os
 import sys
 
-OPS = ["indexer", "forward", "backward", "backward_deterministic", "kl"]
+OPS = ["indexer", "indexer_fp8", "forward", "backward", "backward_deterministic", "kl"]
 
 
 def collect(out, names):

@@ -125,15 +125,18 @@ __device__ __forceinline__ void load_a_trans(uint32_t (&a)[4], uint32_t tile, in
   ldmatrix_x4_trans(a, tile + tile_offset(rows, row, chunk));
 }
 
-// Copies `count` rows of 128 bf16 (row stride `src_stride` elements) into rows row0.. of a
-// tile of `rows` rows; rows at or beyond `valid` (counted from row0) are zero-filled. Threads
-// [0, nthreads) take part.
-__device__ __forceinline__ void load_tile_async(uint32_t tile, int rows, int row0, const __nv_bfloat16* src,
-                                                int64_t src_stride, int count, int valid, int tid, int nthreads) {
-  for (int i = tid; i < count * 16; i += nthreads) {
-    const int r = i >> 4, c = i & 15;
+// Copies `count` rows of 128 elements of T (bf16, or 8-bit codes: a row then fills only the
+// first column half; row stride `src_stride` elements) into rows row0.. of a tile of `rows`
+// rows; rows at or beyond `valid` (counted from row0) are zero-filled. Threads [0, nthreads)
+// take part.
+template <typename T>
+__device__ __forceinline__ void load_tile_async(uint32_t tile, int rows, int row0, const T* src, int64_t src_stride,
+                                                int count, int valid, int tid, int nthreads) {
+  constexpr int kChunks = 128 * int(sizeof(T)) / 16, kPerChunk = 16 / int(sizeof(T));
+  for (int i = tid; i < count * kChunks; i += nthreads) {
+    const int r = i / kChunks, c = i % kChunks;
     const bool ok = r < valid;
-    const __nv_bfloat16* s = src + (ok ? int64_t(r) * src_stride + c * 8 : 0);
+    const T* s = src + (ok ? int64_t(r) * src_stride + c * kPerChunk : 0);
     cp_async16(tile + tile_offset(rows, row0 + r, c), s, ok ? 16 : 0);
   }
 }

@@ -16,9 +16,12 @@
 // enters a list, ~5x the blocks finally kept at 128k.
 // In every quad of lanes, lane 0 owns the list of row g and lane 1 the list of row g + 8.
 //
-// FP8 E4M3 index inputs are widened to bf16 copies before the launch (every E4M3 value is
-// exact in bf16, so the selection is the same as on bf16 inputs holding those values); the
-// kernel itself reads bf16.
+// Inputs: bf16, or E4M3 codes on both sides, multiplied by FP8 wgmma (k32 steps, key tiles of
+// 128-byte rows: half the bytes and twice the tensor rate of bf16). The E4M3 products are exact
+// but the tensor core adds them in a narrower sum than fp32, so the FP8 kernel's scores can
+// differ from the exact ones in their last bits: its selection equals the exact one except at
+// near-ties (docs/semantics.md §3.1, §10). With only one side in E4M3 that side is widened
+// to a bf16 copy first (exact) and the bf16 kernel runs.
 // Selection (as the CPU backend): with nvis <= 16 visible blocks all of them ascending;
 // else the init blocks ascending, the best slots = 16 - init - local blocks of the rest by
 // (score desc, id asc), then the local blocks ascending (the query's own block last). A
@@ -56,24 +59,26 @@ constexpr int kProducerRegs = 24;
 constexpr int kConsumerRegs = 112;
 static_assert(kProducerRegs * 128 + kConsumerRegs * 32 * kWarps <= 65536 / kThreads / 8 * 8 * kThreads);
 constexpr int kStages = 4;                   // key blocks in flight
-constexpr int kTileBytes = kBlock * kDim * 2;  // a bf16 key tile
 static_assert(kWarps * kWarpRows == kTileVectors, "16 rows a warp");
 
-// Shared memory: the key ring and the query tile (swizzled, device.cuh's tile layout);
+// Shared memory of the kernel on inputs of type In: the key ring and the query tile
+// (swizzled, device.cuh's tile layout; 8-bit rows fill the first column half only);
 //   full[s]   the TMA bytes of stage s have landed (1 arrival + bytes)
 //   empty[s]  every consumer warp is done with stage s (kWarps arrivals)
-struct alignas(1024) KeyTile {
-  unsigned char bytes[kTileBytes];
-};
+template <typename In>
 struct IndexerStorage {
+  static constexpr int kRowBytes = kDim * int(sizeof(In));
+  static constexpr int kKeyTileBytes = kBlock * kRowBytes;
+  struct alignas(1024) KeyTile {
+    unsigned char bytes[kKeyTileBytes];
+  };
   KeyTile keys[kStages];
   struct alignas(1024) {
-    unsigned char bytes[kTileVectors * kDim * 2];
+    unsigned char bytes[kTileVectors * kRowBytes];
   } query;
   uint64_t full[kStages];
   uint64_t empty[kStages];
 };
-constexpr int kSmemBytes = storage_smem_bytes<IndexerStorage>();
 constexpr int kMaxDocs = 320;  // documents per launch (kernel parameter space)
 constexpr int kList = kTopk - 1;  // ranked history slots at most (local >= 1)
 
@@ -84,8 +89,8 @@ struct IndexerDocs {
 };
 
 struct IndexerArgs {
-  const __nv_bfloat16* iq;  // [Tq, Hi, 128]
-  const __nv_bfloat16* ik;  // [Tk, 1, 128]
+  const void* iq;  // [Tq, Hi, 128] bf16 or E4M3 (the kernel's In)
+  const void* ik;  // [Tk, 1, 128] the same type
   int32_t* topk;            // [Hi, Tq, 16 = kTopk]
   int64_t total_q;
   int Hi;
@@ -94,8 +99,12 @@ struct IndexerArgs {
   float scale;  // index score = scale * <qi, ki>
 };
 
+template <typename In>
 __global__ void __launch_bounds__(kThreads, 1)
     select_blocks_kernel(const IndexerArgs a, const IndexerDocs docs, const __grid_constant__ CUtensorMap k_map) {
+  using Storage = IndexerStorage<In>;
+  constexpr int kTileBytes = Storage::kKeyTileBytes;
+  constexpr bool kFp8 = sizeof(In) == 1;
   extern __shared__ __align__(128) unsigned char smem[];
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, t = lane & 3;
   // Tile -> document (binary search over the launch's prefix), longest tiles of a document first.
@@ -124,7 +133,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // in flight across the loop's branches on it.)
   const int wg_nblk = __shfl_sync(0xffffffffu, wg_first < nq ? (pos0 + wg_last) / kBlock + 1 : 0, 0);
 
-  IndexerStorage& sm = shared_storage<IndexerStorage>(smem);
+  Storage& sm = shared_storage<Storage>(smem);
   const uint32_t keys = smem_addr(&sm.keys[0]), qs = smem_addr(&sm.query);
   auto full = [&](int s) { return smem_addr(&sm.full[s]); };
   auto empty = [&](int s) { return smem_addr(&sm.empty[s]); };
@@ -146,7 +155,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         mbar_arrive_expect_tx(full(s), kTileBytes);
         const uint32_t dst = keys + uint32_t(s * kTileBytes);
         tma_load_2d(dst, &k_map, 0, k_start + j * kBlock, full(s), keep);
-        tma_load_2d(dst + kTileBytes / 2, &k_map, kDim / 2, k_start + j * kBlock, full(s), keep);
+        if constexpr (!kFp8) tma_load_2d(dst + kTileBytes / 2, &k_map, kDim / 2, k_start + j * kBlock, full(s), keep);
       }
     }
     return;
@@ -155,7 +164,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   setmaxnreg_inc<kConsumerRegs>();
   // The warp's 16 query rows; its warpgroup's wgmma reads all 64 of the warpgroup's.
   load_tile_async(qs, kTileVectors, kWarpRows * warp,
-                  a.iq + (int64_t(q_start + q0 + min(wq0, nq - 1)) * a.Hi + g) * kDim, int64_t(a.Hi) * kDim,
+                  static_cast<const In*>(a.iq) + (int64_t(q_start + q0 + min(wq0, nq - 1)) * a.Hi + g) * kDim, int64_t(a.Hi) * kDim,
                   kWarpRows, wrows, lane, 32);
   cp_async_commit();
   cp_async_wait<0>();
@@ -187,10 +196,17 @@ __global__ void __launch_bounds__(kThreads, 1)
     mbar_wait(full(jj % kStages), (jj / kStages) & 1);
     const uint32_t k_tile = keys + uint32_t((jj % kStages) * kTileBytes);
     wgmma_fence();
+    if constexpr (kFp8) {
 #pragma unroll
-    for (int kk = 0; kk < 8; ++kk)
-      wgmma_m64n128k16(s, tile_desc(qs, kTileVectors, 64 * (warp >> 2), kk), tile_desc(k_tile, kBlock, 0, kk),
-                       kk > 0);
+      for (int kk = 0; kk < 4; ++kk)
+        wgmma_m64n128k32_e4m3(s, tile_desc(qs, kTileVectors, 64 * (warp >> 2), kk), tile_desc(k_tile, kBlock, 0, kk),
+                              kk > 0);
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < 8; ++kk)
+        wgmma_m64n128k16(s, tile_desc(qs, kTileVectors, 64 * (warp >> 2), kk), tile_desc(k_tile, kBlock, 0, kk),
+                         kk > 0);
+    }
     wgmma_commit();
   };
   if (wg_nblk > 0) issue_scores(0);
@@ -313,19 +329,17 @@ TensorView bf16_index_input(const TensorView& t, Buffer& holder, cudaStream_t s)
 
 }  // namespace
 
-void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBlocksParams& given,
-                   const RunOptions& opt) {
-  if (given.selected_lse.present()) check_selected_lse_size(L);  // before anything is written
-  DeviceGuard guard(given.index_q.device.index);
-  const cudaStream_t s = as_stream(opt);
-  Buffer wide_q, wide_k;  // live until the launches below are queued
-  SelectBlocksParams p = given;
-  p.index_q = bf16_index_input(given.index_q, wide_q, s);
-  p.index_k = bf16_index_input(given.index_k, wide_k, s);
+namespace {
+
+// The selection kernel on index inputs of type In (bf16, or E4M3 codes on both sides) over the
+// layout's documents, in launches of up to kMaxDocs documents.
+template <typename In>
+void launch_selection(const Topology& topo, const PackedLayout& L, const TensorView& iq, const TensorView& ik,
+                      const TensorView& topk, cudaStream_t s) {
   IndexerArgs a{};
-  a.iq = p.index_q.as<const __nv_bfloat16>();
-  a.ik = p.index_k.as<const __nv_bfloat16>();
-  a.topk = p.topk.as<int32_t>();
+  a.iq = iq.data;
+  a.ik = ik.data;
+  a.topk = topk.as<int32_t>();
   a.total_q = L.total_q();
   a.Hi = topo.num_index_heads;
   a.tile_queries = kTileVectors / a.Hi;
@@ -338,16 +352,21 @@ void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBloc
   std::iota(order.begin(), order.end(), 0);
   std::stable_sort(order.begin(), order.end(),
                    [&](int x, int y) { return L.document(x).k_len > L.document(y).k_len; });
-  MSA_CUDA_CHECK(cudaFuncSetAttribute(select_blocks_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+  constexpr int kSmemBytes = storage_smem_bytes<IndexerStorage<In>>();
+  MSA_CUDA_CHECK(
+      cudaFuncSetAttribute(select_blocks_kernel<In>, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
   // A launch has queries, hence keys: the map is needed (and valid) only when index_k has rows.
-  const CUtensorMap k_map =
-      p.index_k.shape[0] > 0 ? bf16_row_tile_map(a.ik, p.index_k.shape[0], kBlock, "index_k") : CUtensorMap{};
+  const int64_t k_rows = ik.shape[0];
+  CUtensorMap k_map{};
+  if (k_rows > 0)
+    k_map = sizeof(In) == 1 ? byte_row_tile_map(ik.data, k_rows, kBlock, "index_k")
+                            : bf16_row_tile_map(ik.data, k_rows, kBlock, "index_k");
   IndexerDocs docs{};
   auto flush = [&] {
     if (docs.count == 0) return;
     const int tiles = docs.tile_begin[docs.count];
     if (tiles > 0) {
-      select_blocks_kernel<<<tiles, kThreads, kSmemBytes, s>>>(a, docs, k_map);
+      select_blocks_kernel<In><<<tiles, kThreads, kSmemBytes, s>>>(a, docs, k_map);
       MSA_CUDA_CHECK_LAUNCH("select_blocks_kernel");
     }
     docs = IndexerDocs{};
@@ -365,6 +384,25 @@ void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBloc
     docs.tile_begin[i + 1] = docs.tile_begin[i] + int32_t(tiles);
   }
   flush();
+}
+
+}  // namespace
+
+void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBlocksParams& given,
+                   const RunOptions& opt) {
+  if (given.selected_lse.present()) check_selected_lse_size(L);  // before anything is written
+  DeviceGuard guard(given.index_q.device.index);
+  const cudaStream_t s = as_stream(opt);
+  const bool fp8 = given.index_q.dtype == DType::f8e4m3 && given.index_k.dtype == DType::f8e4m3;
+  if (fp8) launch_selection<uint8_t>(topo, L, given.index_q, given.index_k, given.topk, s);
+  // bf16 views of the inputs: the bf16 kernel's, and the selected LSE's (which reads bf16).
+  Buffer wide_q, wide_k;  // live until the launches below are queued
+  SelectBlocksParams p = given;
+  if (!fp8 || p.selected_lse.present()) {
+    p.index_q = bf16_index_input(given.index_q, wide_q, s);
+    p.index_k = bf16_index_input(given.index_k, wide_k, s);
+  }
+  if (!fp8) launch_selection<__nv_bfloat16>(topo, L, p.index_q, p.index_k, p.topk, s);
   if (p.selected_lse.present()) selected_lse(topo, L, p, s);
 }
 

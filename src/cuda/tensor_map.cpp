@@ -86,4 +86,12 @@ CUtensorMap bf16_head_tile_map(const void* base, int64_t tokens, int64_t heads, 
                      std::to_string(tokens) + " tokens x " + std::to_string(heads) + " heads");
 }
 
+CUtensorMap byte_row_tile_map(const void* base, int64_t rows, int box_rows, const char* what) {
+  const cuuint64_t dims[2] = {128, cuuint64_t(rows > 0 ? rows : 1)};
+  const cuuint64_t strides[1] = {128};
+  const cuuint32_t box[2] = {128, cuuint32_t(box_rows)};
+  return encode(CU_TENSOR_MAP_DATA_TYPE_UINT8, CU_TENSOR_MAP_SWIZZLE_128B, 2, base, dims, strides, box, what,
+                std::to_string(rows) + " rows");
+}
+
 }  // namespace msa::cuda

@@ -33,4 +33,9 @@ CUtensorMap bf16_head_tile_map(const void* base, int64_t tokens, int64_t heads, 
 CUtensorMap paged_cache_map(const void* base, int64_t pages, int64_t heads, int row_bytes, int64_t page_stride,
                             int64_t head_stride, int64_t token_stride, const char* what, bool swizzled = false);
 
+// Describes `rows` rows of 128 one-byte codes (E4M3) at `base` (128-byte row stride), copied
+// in boxes of `box_rows` whole rows with the 128-byte swizzle: a box fills rows r.. of the first
+// column half of a tile (device.cuh), the layout 8-bit wgmma operands are read in.
+CUtensorMap byte_row_tile_map(const void* base, int64_t rows, int box_rows, const char* what);
+
 }  // namespace msa::cuda

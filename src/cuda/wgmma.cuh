@@ -82,6 +82,17 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&d)[16][4], uint64_t da,
                  : "l"(da), "l"(db), "r"(accumulate));
 }
 
+// d (64 x 128) = (accumulate ? d : 0) + A (64 x 32) B^T (B: 128 x 32) on E4M3 codes, both
+// K-major (8-bit operands have no transposed form): a k-step is 32 bytes, as a bf16 one, so
+// tile_desc(t, rows, r0, kk) for kk < 4 walks the 128 codes of a row in the first column half.
+// The products are exact; the tensor core sums them in a narrower adder than fp32.
+__device__ __forceinline__ void wgmma_m64n128k32_e4m3(float (&d)[16][4], uint64_t da, uint64_t db, int accumulate) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " MSA_WGMMA_D128_LIST ", %64, %65, p, 1, 1;\n}\n"
+               : MSA_WGMMA_D128_OPERANDS(d)
+               : "l"(da), "l"(db), "r"(accumulate));
+}
+
 // d (64 x 64) = (accumulate ? d : 0) + A (64 x 16) B^T (B: 64 x 16). kTransA / kTransB: the
 // operand's descriptor is MN-major (tile_desc_mn) instead of K-major.
 template <int kTransA = 0, int kTransB = 0>

@@ -320,18 +320,18 @@ bench_files)
   # The table, CSV and JSON at a tiny size: the columns of the training benchmark, GPU-only ones
   # marked on the CPU ('-' in the table, empty in the CSV, absent from the JSON).
   expect 0 '' "$msa" bench --backend cpu --tokens 256 --tp 4 --reps 1 --selection both --out bench.csv --json bench.json
-  header='^ *tokens +selection +union8 +index ms +index TF +plan ms +\+alloc +fwd ms +fwd TF +bwd ms +bwd TF +bwd det +kl ms +kl TF +GiB +buffers$'
+  header='^ *tokens +selection +union8 +index ms +index TF +fp8 idx +plan ms +\+alloc +fwd ms +fwd TF +bwd ms +bwd TF +bwd det +kl ms +kl TF +GiB +buffers$'
   grep -qE "$header" stdout.txt || fail "the table header is not /$header/"
   [[ $(sed -n '/^ *tokens/,$p' stdout.txt | grep -cE '^ *256 +(independent|coherent) ') == 2 ]] || fail "the table lacks its two rows"
-  grep -qE '^ *256 +independent +[0-9.]+ +[0-9.]+ +[0-9.e-]+ +[0-9.]+ +- +[0-9.]+ ' stdout.txt || fail "row cells ('-' for +alloc on the CPU)"
+  grep -qE '^ *256 +independent +[0-9.]+ +[0-9.]+ +[0-9.e-]+ +- +[0-9.]+ +- +[0-9.]+ ' stdout.txt || fail "row cells ('-' for fp8 idx and +alloc on the CPU)"
   grep -q '^wrote bench.csv$' stdout.txt && grep -q '^wrote bench.json$' stdout.txt || fail "no 'wrote' lines"
-  csv_header='tokens,selection,union8,indexer_ms,plan_ms,forward_ms,backward_ms,backward_det_ms,kl_ms,forward_tflops,backward_tflops,indexer_tflops,kl_tflops,peak_gib,plan_alloc_ms,buffer_bytes'
+  csv_header='tokens,selection,union8,indexer_ms,plan_ms,forward_ms,backward_ms,backward_det_ms,kl_ms,forward_tflops,backward_tflops,indexer_tflops,kl_tflops,peak_gib,plan_alloc_ms,buffer_bytes,indexer_fp8_ms'
   [[ $(head -1 bench.csv) == "$csv_header" ]] || fail "CSV header: $(head -1 bench.csv)"
   [[ $(wc -l <bench.csv) == 3 ]] || fail "CSV: $(wc -l <bench.csv) lines, expected a header and 2 rows"
   awk -F, 'NR > 1 {
-      if (NF != 16 || $1 != 256 || ($2 != "independent" && $2 != "coherent")) exit 1
-      for (i = 3; i <= 16; ++i) {
-        gpu_only = (i == 8 || i == 14 || i == 15)  # backward_det_ms, peak_gib, plan_alloc_ms
+      if (NF != 17 || $1 != 256 || ($2 != "independent" && $2 != "coherent")) exit 1
+      for (i = 3; i <= 17; ++i) {
+        gpu_only = (i == 8 || i == 14 || i == 15 || i == 17)  # backward_det_ms, peak_gib, plan_alloc_ms, indexer_fp8_ms
         if (gpu_only ? $i != "" : $i !~ /^[0-9.]+(e-?[0-9]+)?$/ || $i + 0 <= 0) exit 1
       }
     }' bench.csv || { cat bench.csv; fail "CSV rows"; }
@@ -341,7 +341,7 @@ bench_files)
   done
   [[ $(grep -c '"kl": {' bench.json) == 2 && $(grep -c '"useful_flops"' bench.json) == 8 ]] ||
     fail "bench.json: FLOPs for indexer, forward, backward and KL of both rows"
-  for key in plan_alloc backward_deterministic device_bytes_in_use device_name; do
+  for key in indexer_fp8 plan_alloc backward_deterministic device_bytes_in_use device_name; do
     grep -q "\"$key\":" bench.json && fail "bench.json has the GPU-only \"$key\" on the CPU"
   done
   ls | grep -q '\.tmp$' && fail "a temporary file was left behind"

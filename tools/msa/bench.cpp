@@ -28,6 +28,14 @@ void progress(const std::string& line) { std::cerr << "[msa bench] " << line << 
 // Index vectors of the coherent distribution decorrelate over about this many tokens.
 constexpr double kCoherentTokens = 256;
 
+// A host bf16 tensor's values rounded to E4M3 codes.
+StTensor to_e4m3(const StTensor& bf16) {
+  StTensor out = make_tensor(bf16.name, DType::f8e4m3, bf16.shape);
+  const auto* in = reinterpret_cast<const uint16_t*>(bf16.bytes.data());
+  for (size_t i = 0; i < out.bytes.size(); ++i) out.bytes[i] = float_to_e4m3(bf16_to_float(in[i]));
+  return out;
+}
+
 struct StepTiming {
   double seconds = -1;  // median; < 0: not measured on this backend
   double flops = 0;     // useful FLOPs, 0 when no convention applies
@@ -39,7 +47,7 @@ struct BenchRow {
   int64_t tokens = 0;
   Selection selection = Selection::independent;
   double union8 = 0;
-  StepTiming indexer, plan, plan_alloc, forward, backward, backward_det, kl;
+  StepTiming indexer, indexer_fp8, plan, plan_alloc, forward, backward, backward_det, kl;
   int64_t buffer_bytes = 0;
   int64_t device_bytes = -1;  // device memory in use after the last step; -1 on the CPU
 };
@@ -54,25 +62,37 @@ BenchRow bench_one(const Topology& topo, Device dev, int64_t tokens, Selection s
   DeviceArena arena(dev);
 
   // Inputs: main tensors i.i.d.; index vectors by the chosen distribution.
-  auto random_input = [&](std::vector<int64_t> shape, uint64_t stream) {
+  auto random_bf16 = [&](std::vector<int64_t> shape, uint64_t stream) {
     StTensor t = make_tensor("", DType::bf16, std::move(shape));
     fill_normal_bf16(reinterpret_cast<uint16_t*>(t.bytes.data()), t.numel(), 0.2f, seed, stream);
-    return arena.upload(t.view());
+    return t;
+  };
+  auto random_input = [&](std::vector<int64_t> shape, uint64_t stream) {
+    return arena.upload(random_bf16(std::move(shape), stream).view());
   };
   StepBuffers buf;
   buf.q = random_input({T, Hq, D}, 1);
   buf.k = random_input({T, Hkv, D}, 2);
   buf.v = random_input({T, Hkv, D}, 3);
   buf.dout = random_input({T, Hq, D}, 4);
+  StTensor iq, ik;
   if (selection == Selection::independent) {
-    buf.index_q = random_input({T, Hi, Di}, 5);
-    buf.index_k = random_input({T, 1, Di}, 6);
+    iq = random_bf16({T, Hi, Di}, 5);
+    ik = random_bf16({T, 1, Di}, 6);
   } else {
-    StTensor iq = make_tensor("", DType::bf16, {T, Hi, Di}), ik = make_tensor("", DType::bf16, {T, 1, Di});
+    iq = make_tensor("", DType::bf16, {T, Hi, Di});
+    ik = make_tensor("", DType::bf16, {T, 1, Di});
     fill_drifting_bf16(reinterpret_cast<uint16_t*>(iq.bytes.data()), layout, false, Hi, Di, 0.2f, kCoherentTokens, seed, 5);
     fill_drifting_bf16(reinterpret_cast<uint16_t*>(ik.bytes.data()), layout, true, 1, Di, 0.2f, kCoherentTokens, seed, 6);
-    buf.index_q = arena.upload(iq.view());
-    buf.index_k = arena.upload(ik.view());
+  }
+  buf.index_q = arena.upload(iq.view());
+  buf.index_k = arena.upload(ik.view());
+  // The same index vectors as E4M3 codes, for the FP8 indexer (GPU only: the CPU backend reads
+  // both types at the same speed).
+  Buffer index_q_fp8, index_k_fp8;
+  if (gpu) {
+    index_q_fp8 = arena.upload(to_e4m3(iq).view());
+    index_k_fp8 = arena.upload(to_e4m3(ik).view());
   }
   buf.allocate_outputs(arena, topo, T, T);
   // The uploads went through the legacy stream, which the timer's non-blocking stream does
@@ -101,6 +121,16 @@ BenchRow bench_one(const Topology& topo, Device dev, int64_t tokens, Selection s
   row.selection = selection;
   row.indexer.seconds = timer.median_seconds(
       warmup, repeats, [&] { select_blocks(topo, layout, buf.select_blocks_params(), run); }, before("select_blocks"));
+  if (gpu) {
+    // Into its own outputs: the plan below is built on the bf16 indexer's selection.
+    const Buffer topk = arena.allocate(DType::i32, {Hi, T, topo.topk}), lse = arena.allocate(DType::f32, {Hi, T});
+    SelectBlocksParams fp8;
+    fp8.index_q = index_q_fp8.view();
+    fp8.index_k = index_k_fp8.view();
+    fp8.topk = topk.view();
+    fp8.selected_lse = lse.view();
+    row.indexer_fp8.seconds = timer.median_seconds(warmup, repeats, [&] { select_blocks(topo, layout, fp8, run); });
+  }
 
   // Plans: host clock from the call to the end of its device work (allocations included);
   // each plan is freed after its timed window. One warm-up build, then up to 5.
@@ -140,6 +170,7 @@ BenchRow bench_one(const Topology& topo, Device dev, int64_t tokens, Selection s
   const std::vector<int32_t> ids = to_host_ints(buf.topk.view());
   row.union8 = mean_union_of_8(topo, layout, ids.data());
   row.indexer.flops = indexer_flops(topo, layout);
+  row.indexer_fp8.flops = row.indexer.flops;
   row.forward.flops = forward_flops(topo, layout, ids.data());
   row.backward.flops = 2.5 * row.forward.flops;
   row.backward_det.flops = row.backward.flops;
@@ -161,7 +192,7 @@ std::string gib_cell(int64_t bytes) { return bytes >= 0 ? fixed(double(bytes) / 
 std::string row_line(const BenchRow& r) {
   std::ostringstream s;
   s << r.tokens << " tokens, " << to_string(r.selection) << " selection: union8 " << fixed(r.union8, 1) << " | indexer "
-    << ms_cell(r.indexer) << " ms " << tf_cell(r.indexer) << " TF/s | plan " << ms_cell(r.plan) << " ms (+alloc "
+    << ms_cell(r.indexer) << " ms " << tf_cell(r.indexer) << " TF/s (fp8 " << ms_cell(r.indexer_fp8) << ") | plan " << ms_cell(r.plan) << " ms (+alloc "
     << ms_cell(r.plan_alloc) << ") | fwd " << ms_cell(r.forward) << " ms " << tf_cell(r.forward) << " TF/s | bwd "
     << ms_cell(r.backward) << " ms " << tf_cell(r.backward) << " TF/s (det " << ms_cell(r.backward_det) << ") | kl "
     << ms_cell(r.kl) << " ms " << tf_cell(r.kl) << " TF/s | mem " << gib_cell(r.device_bytes) << " GiB";
@@ -177,18 +208,19 @@ std::string csv_tf(const StepTiming& s) {
   return text;
 }
 
-// The columns of the earlier GPU benchmark's CSV, in its order, then buffer_bytes.
+// The columns of the earlier GPU benchmark's CSV, in its order, then buffer_bytes and the FP8
+// indexer's time.
 std::string csv_text(const std::vector<BenchRow>& rows) {
   std::string text =
       "tokens,selection,union8,indexer_ms,plan_ms,forward_ms,backward_ms,backward_det_ms,kl_ms,forward_tflops,"
-      "backward_tflops,indexer_tflops,kl_tflops,peak_gib,plan_alloc_ms,buffer_bytes\n";
+      "backward_tflops,indexer_tflops,kl_tflops,peak_gib,plan_alloc_ms,buffer_bytes,indexer_fp8_ms\n";
   for (const BenchRow& r : rows) {
     const std::vector<std::string> fields = {
         std::to_string(r.tokens), to_string(r.selection), fixed(r.union8, 2), csv_ms(r.indexer), csv_ms(r.plan),
         csv_ms(r.forward), csv_ms(r.backward), csv_ms(r.backward_det), csv_ms(r.kl), csv_tf(r.forward),
         csv_tf(r.backward), csv_tf(r.indexer), csv_tf(r.kl),
         r.device_bytes >= 0 ? fixed(double(r.device_bytes) / double(1ull << 30), 2) : "", csv_ms(r.plan_alloc),
-        std::to_string(r.buffer_bytes)};
+        std::to_string(r.buffer_bytes), csv_ms(r.indexer_fp8)};
     for (size_t i = 0; i < fields.size(); ++i) text += (i ? "," : "") + fields[i];
     text += '\n';
   }
@@ -229,6 +261,7 @@ std::string json_text(const std::vector<BenchRow>& rows, Device dev, const Topol
                           {"backward", step_json(r.backward)},
                           {"kl", step_json(r.kl)},
                           {"buffer_bytes", r.buffer_bytes}};
+    if (r.indexer_fp8.measured()) row["indexer_fp8"] = step_json(r.indexer_fp8);
     if (r.plan_alloc.measured()) row["plan_alloc"] = step_json(r.plan_alloc);
     if (r.backward_det.measured()) row["backward_deterministic"] = step_json(r.backward_det);
     if (r.device_bytes >= 0) row["device_bytes_in_use"] = r.device_bytes;
@@ -274,13 +307,14 @@ int run_bench(const BenchOptions& o) {
     }
 
   // The columns (and their names) of the earlier GPU benchmark's table, plus the indexer and
-  // KL rates and the tool's own buffers.
-  Table table({"tokens", "selection", "union8", "index ms", "index TF", "plan ms", "+alloc", "fwd ms", "fwd TF", "bwd ms",
+  // KL rates, the FP8 indexer's time (E4M3 copies of the same index vectors) and the tool's own
+  // buffers.
+  Table table({"tokens", "selection", "union8", "index ms", "index TF", "fp8 idx", "plan ms", "+alloc", "fwd ms", "fwd TF", "bwd ms",
                "bwd TF", "bwd det", "kl ms", "kl TF", "GiB", "buffers"});
-  table.align_right({true, false, true, true, true, true, true, true, true, true, true, true, true, true, true, true});
+  table.align_right({true, false, true, true, true, true, true, true, true, true, true, true, true, true, true, true, true});
   for (const BenchRow& r : rows)
     table.add_row({std::to_string(r.tokens), to_string(r.selection), fixed(r.union8, 1), ms_cell(r.indexer),
-                   tf_cell(r.indexer), ms_cell(r.plan), ms_cell(r.plan_alloc), ms_cell(r.forward), tf_cell(r.forward),
+                   tf_cell(r.indexer), ms_cell(r.indexer_fp8), ms_cell(r.plan), ms_cell(r.plan_alloc), ms_cell(r.forward), tf_cell(r.forward),
                    ms_cell(r.backward), tf_cell(r.backward), ms_cell(r.backward_det), ms_cell(r.kl), tf_cell(r.kl),
                    gib_cell(r.device_bytes), format_bytes(double(r.buffer_bytes))});
   table.print(std::cout);
