@@ -1,7 +1,8 @@
 // Training-indexer timing probe beside the product (not built by CMake): select_blocks through
 // the public C++ API on one document of T tokens (64 / 4 heads, random bf16 index q / k as
-// `msa bench --selection independent` draws them), with and without the selected blocks' LSE,
-// CUDA events, median of 5. docs/performance.md runs 30 and 31.
+// `msa bench --selection independent` draws them, and their E4M3 roundings for the FP8 kernel),
+// with and without the selected blocks' LSE, CUDA events, median of 5. docs/performance.md runs
+// 30, 31 and 39.
 // Build against a CUDA build of msa, e.g.:
 //   nvcc -O2 -std=c++20 -Iinclude bench/experiments/indexer_probe.cpp build/src/libmsa.a
 //     -Xcompiler -fopenmp -lcuda -o indexer_probe
@@ -41,6 +42,16 @@ static void fill_bf16(const Buffer& b, uint64_t seed) {  // ~U(-2, 2)
   cudaMemcpy(b.data(), h.data(), size_t(b.bytes()), cudaMemcpyHostToDevice);
 }
 
+static void fill_e4m3(const Buffer& b, uint64_t seed) {  // the same values rounded to E4M3
+  std::vector<uint8_t> h(size_t(b.bytes()));
+  uint64_t x = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (auto& v : h) {
+    x ^= x << 13; x ^= x >> 7; x ^= x << 17;
+    v = float_to_e4m3(float(int(x % 4001) - 2000) / 1000.f);
+  }
+  cudaMemcpy(b.data(), h.data(), h.size(), cudaMemcpyHostToDevice);
+}
+
 int main(int argc, char** argv) {
   std::vector<int64_t> sizes;
   for (int i = 1; i < argc; ++i) sizes.push_back(std::atoll(argv[i]));
@@ -52,18 +63,22 @@ int main(int argc, char** argv) {
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);
   cudaEventCreate(&e1);
-  std::printf("%-8s %-8s %10s %10s %18s %18s\n", "T", "lse", "ms", "TFLOP/s", "topk hash", "lse hash");
+  std::printf("%-8s %-5s %-8s %10s %10s %18s %18s\n", "T", "in", "lse", "ms", "TFLOP/s", "topk hash", "lse hash");
   for (const int64_t T : sizes) {
     const PackedLayout layout = PackedLayout::from_cu_seqlens({0, int32_t(T)}, {0, int32_t(T)});
     Buffer iq(dev, DType::bf16, {T, 4, 128}), ik(dev, DType::bf16, {T, 1, 128});
     Buffer topk(dev, DType::i32, {4, T, 16}), sel(dev, DType::f32, {4, T});
+    Buffer iq8(dev, DType::f8e4m3, {T, 4, 128}), ik8(dev, DType::f8e4m3, {T, 1, 128});
     fill_bf16(iq, 5);
     fill_bf16(ik, 6);
+    fill_e4m3(iq8, 5);
+    fill_e4m3(ik8, 6);
     const double flops = 2.0 * 128 * 4 * double(T) * double(T + 1) / 2;
+    for (const bool fp8 : {false, true})
     for (const bool lse : {false, true}) {
       SelectBlocksParams p;
-      p.index_q = iq.view();
-      p.index_k = ik.view();
+      p.index_q = fp8 ? iq8.view() : iq.view();
+      p.index_k = fp8 ? ik8.view() : ik.view();
       p.topk = topk.view();
       if (lse) p.selected_lse = sel.view();
       RunOptions ro;
@@ -85,7 +100,7 @@ int main(int argc, char** argv) {
       cudaMemset(sel.data(), 0, size_t(sel.bytes()));
       select_blocks(topo, layout, p, ro);
       cudaStreamSynchronize(s);
-      std::printf("%-8lld %-8s %10.3f %10.1f %18llx %18llx\n", static_cast<long long>(T), lse ? "yes" : "no", ms,
+      std::printf("%-8lld %-5s %-8s %10.3f %10.1f %18llx %18llx\n", static_cast<long long>(T), fp8 ? "e4m3" : "bf16", lse ? "yes" : "no", ms,
                   flops / ms * 1e-9, static_cast<unsigned long long>(hash_of(topk)),
                   static_cast<unsigned long long>(lse ? hash_of(sel) : 0));
     }

@@ -181,10 +181,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int init_end = min(a.init_blocks, local_begin);
   const int slots = kTopk - init_end - a.local_blocks;
 
+  // The ranked list, best first; an empty slot scores NaN (no score is >= it, see below).
   float sc[kList];
   int id[kList];
 #pragma unroll
-  for (int i = 0; i < kList; ++i) { sc[i] = -INFINITY; id[i] = -1; }
+  for (int i = 0; i < kList; ++i) { sc[i] = __int_as_float(0x7fffffff); id[i] = -1; }
   int count = 0;
   float threshold = -INFINITY;  // score of the last ranked entry once the list is full
 
@@ -256,20 +257,24 @@ __global__ void __launch_bounds__(kThreads, 1)
       const bool candidate = visible && !forced && slots > 0 && score == score && (count < slots || score > threshold);
       if (j + 1 < wg_nblk) issue_scores(j + 1);  // S is free (warpgroup-uniform)
       if (candidate) {
-        // Insert behind every entry with a score >= this one (ids arrive ascending).
-        int pos = 0;
-#pragma unroll
-        for (int i = 0; i < kList; ++i) pos += (i < count && sc[i] >= score) ? 1 : 0;
-        const int limit = min(count + 1, slots);
-#pragma unroll
-        for (int i = kList - 1; i > 0; --i) {
-          if (i > pos && i < limit) { sc[i] = sc[i - 1]; id[i] = id[i - 1]; }
-        }
+        // Insert behind every entry with a score >= this one (ids arrive ascending, so ties
+        // keep the lower id first): the slots failing `sc >= score` are a suffix (the list is
+        // sorted, empty slots are NaN), and along it the new entry and then each displaced one
+        // moves one slot down. Five instructions a slot, with no slot index to compare; an
+        // entry pushed past `slots` is never read.
+        float carry_s = score;
+        int carry_id = j;
 #pragma unroll
         for (int i = 0; i < kList; ++i) {
-          if (i == pos) { sc[i] = score; id[i] = j; }
+          const bool take = !(sc[i] >= score);
+          const float old_s = sc[i];
+          const int old_id = id[i];
+          sc[i] = take ? carry_s : old_s;
+          id[i] = take ? carry_id : old_id;
+          carry_s = take ? old_s : carry_s;
+          carry_id = take ? old_id : carry_id;
         }
-        count = limit;
+        count = min(count + 1, slots);
         if (count == slots) {
 #pragma unroll
           for (int i = 0; i < kList; ++i)
