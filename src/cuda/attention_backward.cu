@@ -7,15 +7,19 @@
 // Masked keys (past a query's causal limit) get P = dS = 0 by selection, never by a product
 // with 0, so a non-finite K or V there cannot reach the query's gradients; dQ reads a copy of
 // K with non-finite values zeroed when a masked block holds one (finite_copy).
-// Default mode: dQ, dK, dV go to fp32 accumulators with atomics. Deterministic mode: each
-// edge's dQ goes to its partial slot (bf16) and each chunk's dK, dV to its own fp32 slot;
-// reduce_gradients finishes both in a fixed order.
+// Default mode: dK, dV go to fp32 accumulators with atomics, and each edge's dQ (16 head rows
+// of one query) through the P tile, free by then, into the fp32 dQ accumulator by TMA
+// reductions (two boxes of 16 rows x 32 columns a warp and 64-dim half): the L2 adds whole
+// lines instead of the threads' 8-byte atomics. Deterministic mode: each edge's dQ goes to its
+// partial slot (bf16) and each chunk's dK, dV to its own fp32 slot; reduce_gradients finishes
+// both in a fixed order.
 #include "backend.h"
 #include "cuda/backward_steps.cuh"
 #include "cuda/chunk_walker.cuh"
 #include "cuda/common.cuh"
 #include "cuda/device.cuh"
 #include "cuda/reduce.cuh"
+#include "cuda/tensor_map.h"
 #include "cuda/wgmma.cuh"
 #include "cuda/workspace.h"
 
@@ -43,6 +47,7 @@ struct BackwardArgs {
   int Hq, Hkv;
   float scale, scale_log2;
   bool deterministic;
+  CUtensorMap dq_map;         // dq_acc as [Tq * Hq, 128] fp32 in 16 x 32 boxes (default mode)
 };
 
 struct BackwardStorage {
@@ -127,6 +132,20 @@ __device__ __forceinline__ void accumulate_dv_dk(float (&dv)[kHeadFrags][4], flo
   wgmma_wait<0>();
 }
 
+// The warp's dq fragments of one 64-dim half, times `scale`, into its 4 KB of the staging
+// tile in the layout of two TMA boxes of 16 rows x 32 fp32 with the 128-byte swizzle
+// (f32_row_tile_map): fragment i (columns 8i + 2t, +1) goes to box i / 4, 16-byte chunk
+// 2 (i % 4) + t / 2 of rows r0 and r0 + 8, swizzled by r0.
+__device__ __forceinline__ void stage_dq_half(uint32_t region, const float (&dq)[8][4], float scale, int r0, int t) {
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const int chunk = (2 * (i & 3) + (t >> 1)) ^ r0;
+    const uint32_t at = region + (i >> 2) * 2048 + r0 * 128 + chunk * 16 + 8 * (t & 1);
+    st_shared_f32x2(at, scale * dq[i][0], scale * dq[i][1]);
+    st_shared_f32x2(at + 8 * 128, scale * dq[i][2], scale * dq[i][3]);
+  }
+}
+
 // dq = dS K for dims 64hh..64hh+63 of the warpgroup's 64 rows (from wg_row): dS is K-major,
 // the K tile (rows = keys) is read transposed.
 __device__ __forceinline__ void dq_half(float (&dq)[8][4], uint32_t dss, uint32_t ks, int wg_row, int hh) {
@@ -190,14 +209,32 @@ struct BackwardChunks : WalkerThread {
     __syncthreads();
     release();  // Q and dO are free: the next sub-chunk loads while dQ runs
     // dQ of this warp's edge = scale dS K, in two halves of 64 dims (every warp takes part).
+    const uint32_t staging = ps + warp * 4096;  // P is dead after dV: the warp's 4 KB of it
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       float dq[8][4];
       dq_half(dq, dss, k_dq, wg_row, hh);
-      if (rows.row < 0) continue;  // an empty slot has no edge
-      store_query_grad<&BackwardArgs::dq_part, &BackwardArgs::dq_acc, &BackwardArgs::scale, &BackwardArgs::Hq, 2>(
-          a, *this, dq, rows.slot, rows.hrow, 64 * hh);
+      if (rows.row < 0) continue;  // an empty slot has no edge (warp-uniform)
+      if (a.deterministic) {
+        store_query_grad<&BackwardArgs::dq_part, &BackwardArgs::dq_acc, &BackwardArgs::scale, &BackwardArgs::Hq, 2>(
+            a, *this, dq, rows.slot, rows.hrow, 64 * hh);
+        continue;
+      }
+      if (hh == 1) {  // the first half's boxes must have been read out of the staging tile
+        if (lane == 0) bulk_wait_read<0>();
+        __syncwarp();
+      }
+      stage_dq_half(staging, dq, a.scale, r0, t);
+      fence_proxy_async();  // the stores, then the TMA's reads
+      __syncwarp();
+      if (lane == 0) {  // rows.hrow of lane 0 (r0 = 0): the query's first head row
+        tma_reduce_add_2d(&a.dq_map, 64 * hh, int(rows.hrow), staging);
+        tma_reduce_add_2d(&a.dq_map, 64 * hh + 32, int(rows.hrow), staging + 2048);
+        bulk_commit();
+      }
     }
+    // The next sub-chunk writes P here after its first barrier: the boxes must be read by then.
+    if (lane == 0) bulk_wait_read<0>();
   }
 
   // dK = scale dS^T Q and dV of the chunk's keys.
@@ -214,6 +251,7 @@ __global__ void __launch_bounds__(kWalkerThreads, 1) backward_chunks_kernel(cons
   BackwardStorage& s = shared_storage<BackwardStorage>(smem);
   BackwardChunks kernel(a, s);
   walk_chunks<1>(a.chunks, s.meta, kernel);
+  if ((threadIdx.x & 31) == 0) bulk_wait<0>();  // the dQ reductions are done before the CTA ends
 }
 
 // D = rowsum(dO * O) per (query, head), and dO as bf16 when it comes as f32. One warp per row.
@@ -256,7 +294,7 @@ void sparse_attention_backward(const Topology& topo, const PackedLayout& L, cons
   __nv_bfloat16* dout16 = p.dout.dtype == DType::f32 ? pass.ws<__nv_bfloat16>(w.dout16) : nullptr;
   float* delta = pass.ws<float>(w.delta);
   const float scale = topo.attention_scale();
-  const BackwardArgs a{
+  BackwardArgs a{
       .chunks = pass.chunks,
       .q = p.q.as<const __nv_bfloat16>(), .k = p.k.as<const __nv_bfloat16>(), .v = p.v.as<const __nv_bfloat16>(),
       .dout = dout16 ? dout16 : p.dout.as<const __nv_bfloat16>(),
@@ -264,8 +302,9 @@ void sparse_attention_backward(const Topology& topo, const PackedLayout& L, cons
       .dq_acc = pass.ws<float>(w.dq_acc), .dk_acc = pass.ws<float>(w.dk_acc), .dv_acc = pass.ws<float>(w.dv_acc),
       .dq_part = pass.ws<__nv_bfloat16>(w.dq_part), .kv_chunks = pass.ws<float>(w.kv_chunks),
       .Hq = Hq, .Hkv = Hkv, .scale = scale, .scale_log2 = scale * math::kLog2e,
-      .deterministic = pass.deterministic};
+      .deterministic = pass.deterministic, .dq_map = {}};
   const int64_t rows = Tq * Hq;
+  if (!a.deterministic && rows > 0) a.dq_map = f32_row_tile_map(a.dq_acc, rows, kGroupSize, "the dQ accumulator");
   if (rows > 0) {
     const bool of = p.out.dtype == DType::f32, df = p.dout.dtype == DType::f32;
     if (of && df) launch_prepare<float, float>(p, rows, delta, dout16, pass.stream);

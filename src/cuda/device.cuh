@@ -271,10 +271,26 @@ __device__ __forceinline__ void tma_store_2d(const void* map, int c0, int c1, ui
                "r"(c0), "r"(c1), "r"(src), "l"(policy)
                : "memory");
 }
+// Adds a box of shared memory into the global tensor of `map` at (c0, c1), element by element
+// in L2 (the tensor's dtype; no atomics from the SM's threads).
+__device__ __forceinline__ void tma_reduce_add_2d(const void* map, int c0, int c1, uint32_t src) {
+  asm volatile("cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%1, %2}], [%3];\n" ::"l"(
+                   map),
+               "r"(c0), "r"(c1), "r"(src)
+               : "memory");
+}
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void bulk_wait_read() {
   asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+// ... and until their writes to global memory are done.
+template <int N>
+__device__ __forceinline__ void bulk_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+__device__ __forceinline__ void st_shared_f32x2(uint32_t addr, float a, float b) {
+  asm volatile("st.shared.v2.f32 [%0], {%1,%2};\n" ::"r"(addr), "f"(a), "f"(b) : "memory");
 }
 
 // Barrier of `threads` threads on named barrier `id` (0 is __syncthreads).

@@ -77,6 +77,14 @@ CUtensorMap bf16_row_tile_map(const void* base, int64_t rows, int box_rows, cons
   return encode_bf16(2, base, dims, strides, box, what, std::to_string(rows) + " rows");
 }
 
+CUtensorMap f32_row_tile_map(void* base, int64_t rows, int box_rows, const char* what) {
+  const cuuint64_t dims[2] = {128, cuuint64_t(rows > 0 ? rows : 1)};
+  const cuuint64_t strides[1] = {128 * 4};
+  const cuuint32_t box[2] = {32, cuuint32_t(box_rows)};
+  return encode(CU_TENSOR_MAP_DATA_TYPE_FLOAT32, CU_TENSOR_MAP_SWIZZLE_128B, 2, base, dims, strides, box, what,
+                std::to_string(rows) + " rows");
+}
+
 CUtensorMap bf16_head_tile_map(const void* base, int64_t tokens, int64_t heads, int64_t token_stride,
                                int64_t head_stride, int box_heads, const char* what, int box_tokens) {
   const cuuint64_t dims[3] = {128, cuuint64_t(heads), cuuint64_t(tokens > 0 ? tokens : 1)};

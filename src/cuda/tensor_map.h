@@ -15,6 +15,11 @@ namespace msa::cuda {
 // tensor in the error raised when the driver refuses the descriptor.
 CUtensorMap bf16_row_tile_map(const void* base, int64_t rows, int box_rows, const char* what);
 
+// Describes `rows` rows of 128 fp32 at `base` (512-byte row stride) in boxes of `box_rows`
+// rows x 32 columns (128 bytes) with the 128-byte swizzle: 16-byte chunk c of box row r sits
+// at chunk c ^ (r % 8) in shared memory. For reductions into an fp32 accumulator.
+CUtensorMap f32_row_tile_map(void* base, int64_t rows, int box_rows, const char* what);
+
 // Describes a [tokens, heads, 128] bf16 tensor with any 16-byte-multiple strides (elements
 // token_stride, head_stride), copied in boxes of `box_heads` heads x `box_tokens` tokens x 64
 // columns, same swizzle: a box fills the rows (token-major, then head) of one column half of a
