@@ -5,7 +5,7 @@
 # reused, so that a variant recompiles only what its patches touch; the tree is restored
 # after each variant (`git checkout` of the patched files), so start from a clean tree.
 #
-#   bench/experiments/build_variants.sh OUT base= mma=kl_teacher_mma.patch both=kl_teacher_mma.patch+dq_bulk_reductions.patch
+#   bench/experiments/build_variants.sh OUT base= c256=chunk_256.patch both=chunk_256.patch+other.patch
 #
 # NAME= (no patch) is the tree as it is. Patch names are files in bench/experiments/.
 # VARIANTS_BUILD (default build-variants) is the build directory; CUDA and the project's

@@ -193,20 +193,22 @@ __global__ void __launch_bounds__(kThreads, 1)
   // S of block j + 1 goes to the tensor cores as soon as block j's maxima have been read out of
   // S: the list updates of block j run beside the product of j + 1.
   float s[kNFrags][4];
+  // Descriptors built once; a block's differ from these by constants (tile_desc_step).
+  const uint64_t q_desc = tile_desc(qs, kTileVectors, 64 * (warp >> 2), 0);
+  const uint64_t k_desc = tile_desc(keys, kBlock, 0, 0);
   auto issue_scores = [&](int jj) {
     mbar_wait(full(jj % kStages), (jj / kStages) & 1);
-    const uint32_t k_tile = keys + uint32_t((jj % kStages) * kTileBytes);
+    const uint64_t k_stage = k_desc + uint64_t(((jj % kStages) * kTileBytes) >> 4);
     wgmma_fence();
     if constexpr (kFp8) {
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
-        wgmma_m64n128k32_e4m3(s, tile_desc(qs, kTileVectors, 64 * (warp >> 2), kk), tile_desc(k_tile, kBlock, 0, kk),
+        wgmma_m64n128k32_e4m3(s, q_desc + tile_desc_step(kTileVectors, kk), k_stage + tile_desc_step(kBlock, kk),
                               kk > 0);
     } else {
 #pragma unroll
       for (int kk = 0; kk < 8; ++kk)
-        wgmma_m64n128k16(s, tile_desc(qs, kTileVectors, 64 * (warp >> 2), kk), tile_desc(k_tile, kBlock, 0, kk),
-                         kk > 0);
+        wgmma_m64n128k16(s, q_desc + tile_desc_step(kTileVectors, kk), k_stage + tile_desc_step(kBlock, kk), kk > 0);
     }
     wgmma_commit();
   };
