@@ -181,10 +181,11 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int init_end = min(a.init_blocks, local_begin);
   const int slots = kTopk - init_end - a.local_blocks;
 
+  // The ranked list, best first; an empty slot scores NaN (no score is >= it, see below).
   float sc[kList];
   int id[kList];
 #pragma unroll
-  for (int i = 0; i < kList; ++i) { sc[i] = -INFINITY; id[i] = -1; }
+  for (int i = 0; i < kList; ++i) { sc[i] = __int_as_float(0x7fffffff); id[i] = -1; }
   int count = 0;
   float threshold = -INFINITY;  // score of the last ranked entry once the list is full
 
@@ -192,20 +193,22 @@ __global__ void __launch_bounds__(kThreads, 1)
   // S of block j + 1 goes to the tensor cores as soon as block j's maxima have been read out of
   // S: the list updates of block j run beside the product of j + 1.
   float s[kNFrags][4];
+  // Descriptors built once; a block's differ from these by constants (tile_desc_step).
+  const uint64_t q_desc = tile_desc(qs, kTileVectors, 64 * (warp >> 2), 0);
+  const uint64_t k_desc = tile_desc(keys, kBlock, 0, 0);
   auto issue_scores = [&](int jj) {
     mbar_wait(full(jj % kStages), (jj / kStages) & 1);
-    const uint32_t k_tile = keys + uint32_t((jj % kStages) * kTileBytes);
+    const uint64_t k_stage = k_desc + uint64_t(((jj % kStages) * kTileBytes) >> 4);
     wgmma_fence();
     if constexpr (kFp8) {
 #pragma unroll
       for (int kk = 0; kk < 4; ++kk)
-        wgmma_m64n128k32_e4m3(s, tile_desc(qs, kTileVectors, 64 * (warp >> 2), kk), tile_desc(k_tile, kBlock, 0, kk),
+        wgmma_m64n128k32_e4m3(s, q_desc + tile_desc_step(kTileVectors, kk), k_stage + tile_desc_step(kBlock, kk),
                               kk > 0);
     } else {
 #pragma unroll
       for (int kk = 0; kk < 8; ++kk)
-        wgmma_m64n128k16(s, tile_desc(qs, kTileVectors, 64 * (warp >> 2), kk), tile_desc(k_tile, kBlock, 0, kk),
-                         kk > 0);
+        wgmma_m64n128k16(s, q_desc + tile_desc_step(kTileVectors, kk), k_stage + tile_desc_step(kBlock, kk), kk > 0);
     }
     wgmma_commit();
   };
@@ -256,20 +259,24 @@ __global__ void __launch_bounds__(kThreads, 1)
       const bool candidate = visible && !forced && slots > 0 && score == score && (count < slots || score > threshold);
       if (j + 1 < wg_nblk) issue_scores(j + 1);  // S is free (warpgroup-uniform)
       if (candidate) {
-        // Insert behind every entry with a score >= this one (ids arrive ascending).
-        int pos = 0;
-#pragma unroll
-        for (int i = 0; i < kList; ++i) pos += (i < count && sc[i] >= score) ? 1 : 0;
-        const int limit = min(count + 1, slots);
-#pragma unroll
-        for (int i = kList - 1; i > 0; --i) {
-          if (i > pos && i < limit) { sc[i] = sc[i - 1]; id[i] = id[i - 1]; }
-        }
+        // Insert behind every entry with a score >= this one (ids arrive ascending, so ties
+        // keep the lower id first): the slots failing `sc >= score` are a suffix (the list is
+        // sorted, empty slots are NaN), and along it the new entry and then each displaced one
+        // moves one slot down. Five instructions a slot, with no slot index to compare; an
+        // entry pushed past `slots` is never read.
+        float carry_s = score;
+        int carry_id = j;
 #pragma unroll
         for (int i = 0; i < kList; ++i) {
-          if (i == pos) { sc[i] = score; id[i] = j; }
+          const bool take = !(sc[i] >= score);
+          const float old_s = sc[i];
+          const int old_id = id[i];
+          sc[i] = take ? carry_s : old_s;
+          id[i] = take ? carry_id : old_id;
+          carry_s = take ? old_s : carry_s;
+          carry_id = take ? old_id : carry_id;
         }
-        count = limit;
+        count = min(count + 1, slots);
         if (count == slots) {
 #pragma unroll
           for (int i = 0; i < kList; ++i)
