@@ -6,10 +6,12 @@
 // max and sum of exponentials into slot split_slot; a second kernel merges the slots of every
 // (query, head), dividing once.
 //
-// The CTA is persistent (one per SM) and walks a contiguous share of the full items' tasks, so
-// consecutive tasks almost always read the same key block (the schedule lists the full items
-// of a (head, block) row one after another): K and V stay in shared memory until the block
-// changes. The partial items that follow are dealt out round robin (CtaTasks). A producer
+// The CTA is persistent (one per SM). With the plan's token-major walk (build_forward_order),
+// the CTAs take runs of kRunTasks consecutive tasks in turn, so the whole grid moves through
+// the sequence one chunk of queries at a time and a chunk's Q rows are read from L2; within a
+// chunk the items of a (head, block) row are consecutive, so K and V stay in shared memory for
+// most of a run. Without it (small schedules) a CTA walks a contiguous share of the full items'
+// tasks and the partial items that follow are dealt out round robin (CtaTasks). A producer
 // warpgroup reads the schedule and streams each task's Q rows through four shared-memory
 // stages with TMA (mbarrier hand-off), so the two computing warpgroups never wait on metadata
 // loads; it gives most of its registers to them (setmaxnreg), which lets each computing
@@ -198,6 +200,7 @@ struct ForwardArgs {
   const int32_t* q_indices;   // [Hkv, Tq * 16]
   const int32_t* split_slot;  // [Hkv, Tq * 16]
   const DocInfo* docs;        // [B]
+  const int32_t* order;       // [capacity]: schedule items in walking order, or nullptr
   const int32_t* status;      // [4]
   float2* part_ml;            // [16, Tq, Hq]: (max of S * scale * log2(e), sum of 2^(that - max))
   int64_t total_q;
@@ -206,20 +209,42 @@ struct ForwardArgs {
   float scale_log2;           // softmax scale * log2(e)
 };
 
-// The tasks of this CTA: an equal share of the full items' tasks, consecutive so that the key
-// block rarely changes, then every gridDim.x-th task of the partial items that follow them.
-// Each partial item reads a key block of its own; spread out, no CTA loads them all.
+// The tasks of this CTA. Walking order (a.order): positions n < nruns * kRunTasks are the
+// CTA's runs, run r at r * G * kRunTasks + c * kRunTasks, so all CTAs work on neighbouring runs
+// of the list at any time; the positions past the last whole round are shared contiguously.
+// A position p is sub-task p % nsub of item order[p / nsub]. Schedule order: an equal share of
+// the full items' tasks, consecutive so that the key block rarely changes, then every
+// gridDim.x-th task of the partial items that follow them (each partial item reads a key
+// block of its own; spread out, no CTA loads them all).
+constexpr int kRunTasks = 16;  // faster than 4 at 16k tokens (performance.md, run 40)
 struct CtaTasks {
   int64_t first = 0, nfirst = 0, tail0 = 0, ntail = 0;
   int stride = 1;
-  __device__ int64_t count() const { return nfirst + ntail; }
-  __device__ int64_t task(int64_t n) const { return n < nfirst ? first + n : tail0 + (n - nfirst) * stride; }
+  const int32_t* order = nullptr;
+  int64_t run_stride = 0, nruns_tasks = 0;  // walking order: G * kRunTasks, the CTA's tasks in whole runs
+  int nsub = 1, cta = 0;
+  __device__ int64_t count() const { return order ? nruns_tasks + ntail : nfirst + ntail; }
+  __device__ int64_t task(int64_t n) const {
+    if (order == nullptr) return n < nfirst ? first + n : tail0 + (n - nfirst) * stride;
+    const int64_t p = n < nruns_tasks ? (n / kRunTasks) * run_stride + int64_t(cta) * kRunTasks + n % kRunTasks
+                                      : tail0 + (n - nruns_tasks);
+    return int64_t(order[p / nsub]) * nsub + p % nsub;
+  }
 };
 
 __device__ CtaTasks cta_tasks(const ForwardArgs& a) {
   const int64_t total = int64_t(*a.work_count) * a.nsub, full = int64_t(*a.full_items) * a.nsub;
   const int64_t G = gridDim.x, c = blockIdx.x;
   CtaTasks r;
+  if (a.order != nullptr) {
+    r.order = a.order, r.nsub = a.nsub, r.cta = int(c);
+    r.run_stride = G * kRunTasks;
+    const int64_t rounds = total / r.run_stride, rest = total - rounds * r.run_stride;
+    r.nruns_tasks = rounds * kRunTasks;
+    r.tail0 = rounds * r.run_stride + rest * c / G;
+    r.ntail = rest * (c + 1) / G - rest * c / G;
+    return r;
+  }
   r.first = full * c / G;
   r.nfirst = full * (c + 1) / G - r.first;
   r.tail0 = full + c;
@@ -1006,6 +1031,7 @@ void run_sparse_forward(const ForwardLaunch& f, cudaStream_t s) {
   a.q_indices = f.q_indices;
   a.split_slot = f.split_slot;
   a.docs = f.docs;
+  a.order = f.order;
   a.status = f.status;
   a.part_ml = static_cast<float2*>(f.part_ml);
   a.total_q = Tq;
@@ -1065,6 +1091,7 @@ void sparse_attention_forward(const Topology& topo, const PackedLayout& L, const
   f.split_counts = i32(plan.split_counts);
   f.status = i32(plan.status);
   f.docs = doc_ptr(st);
+  f.order = st.forward_ordered ? i32(st.forward_order) : nullptr;
   f.q_per_cta = plan.q_per_cta;
   void* const scratch = call_workspace(st, p.workspace);
   f.part_o = ws<__nv_bfloat16>(scratch, w.part_o);

@@ -27,6 +27,8 @@ struct ForwardLaunch {
   const int32_t* split_counts = nullptr;  // [Tq, Hkv]
   const int32_t* status = nullptr;        // [4]: non-zero -> NaN outputs
   const DocInfo* docs = nullptr;          // [B]
+  const int32_t* order = nullptr;         // [capacity]: items in walking order (PlanState::forward_order);
+                                          //   nullptr: the schedule's order, in contiguous shares
   int q_per_cta = 8;
   // Scratch (workspace.h's forward regions): one partial state per (query, head, selected block).
   void* part_o = nullptr;   // bf16 [16, Tq, Hq, 128]

@@ -113,12 +113,16 @@ struct PlanState {
   Buffer chunk_first;     // [Hkv, total_rows] int32: first full chunk of a row
   Buffer chunk_nfull;     // [Hkv, total_rows] int32: full chunks of a row
   Buffer chunk_tail;      // [Hkv, total_rows] int32: index of the row's partial chunk or -1
+  Buffer forward_order;   // [schedule capacity] int32: schedule items in the order the forward walks
+                          //   them (token-major, see build_forward_order); valid if forward_ordered
   Buffer own_workspace;   // the workspace, unless the caller gave one (PlanOptions::workspace)
   void* workspace = nullptr;  // scratch shared by forward / backward / KL (one op at a time)
   int64_t chunk_capacity = 0;
   int64_t schedule_capacity = 0;
   int num_documents = 0;
   bool keys_overlap = false;  // some key token belongs to several documents (fragments)
+  bool forward_ordered = false;  // forward_order holds the walk (else the schedule's own order)
+  int forward_chunk = 0;         // queries a chunk of that walk; 0: the schedule's order
 };
 
 inline constexpr int kChunkQueries = 128;  // queries per backward / KL work item
