@@ -1091,7 +1091,7 @@ void sparse_attention_forward(const Topology& topo, const PackedLayout& L, const
   f.split_counts = i32(plan.split_counts);
   f.status = i32(plan.status);
   f.docs = doc_ptr(st);
-  f.order = st.forward_ordered ? i32(st.forward_order) : nullptr;
+  f.order = forward_order_ptr(st);
   f.q_per_cta = plan.q_per_cta;
   void* const scratch = call_workspace(st, p.workspace);
   f.part_o = ws<__nv_bfloat16>(scratch, w.part_o);

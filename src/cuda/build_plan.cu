@@ -741,14 +741,14 @@ __global__ void forward_order_keys_kernel(const WorkItem* __restrict__ items, co
 
 // Writes state.forward_order: the schedule's slots sorted by forward_order_keys_kernel's key
 // (stable, so a row's items keep their order within a chunk). The items in use come first.
-void build_forward_order(const SparsePlan& plan, PlanState& state, int Hkv, cudaStream_t s) {
+// Returns whether it was written (the layout's rule gave a chunk and the schedule has items).
+bool build_forward_order(const SparsePlan& plan, PlanState& state, int Hkv, cudaStream_t s) {
   const int64_t capacity = state.schedule_capacity, total_q = plan.total_q, rows = plan.total_rows;
-  state.forward_ordered = false;
-  if (capacity == 0 || total_q == 0 || state.forward_chunk == 0) return;
+  if (capacity == 0 || total_q == 0 || state.forward_chunk == 0) return false;
   const int row_bits = bits_for(int64_t(Hkv) * rows);
   const int64_t chunks = ceil_div(total_q, state.forward_chunk);
   const int bits = row_bits + bits_for(chunks);  // chunk index `chunks` is the sentinel's
-  if (bits > 64) return;                         // not reachable under check_schedule_size
+  if (bits > 64) return false;                   // not reachable under check_schedule_size
   const uint64_t sentinel = uint64_t(chunks) << row_bits;
   StreamScratch keys_in(capacity * 8, s), keys_out(capacity * 8, s), vals_in(capacity * 4, s);
   forward_order_keys_kernel<<<blocks_for(capacity), kThreads, 0, s>>>(
@@ -764,7 +764,7 @@ void build_forward_order(const SparsePlan& plan, PlanState& state, int Hkv, cuda
   MSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.get(), sort_bytes, keys_in.as<uint64_t>(),
                                                  keys_out.as<uint64_t>(), vals_in.as<int32_t>(),
                                                  i32(state.forward_order), int(capacity), 0, bits, s));
-  state.forward_ordered = true;
+  return true;
 }
 
 }  // namespace
@@ -801,7 +801,9 @@ void upload_layout(const Topology& topo, const PackedLayout& L, SparsePlan& plan
   buffers.add(&state.chunk_first, DType::i32, {per_row});
   buffers.add(&state.chunk_nfull, DType::i32, {per_row});
   buffers.add(&state.chunk_tail, DType::i32, {per_row});
-  buffers.add(&state.forward_order, DType::i32, {std::max<int64_t>(state.schedule_capacity, 1)});
+  // Only a layout whose rule gives a chunk is ever walked by it (build_forward_order).
+  buffers.add(&state.forward_order, DType::i32,
+              {state.forward_chunk > 0 ? std::max<int64_t>(state.schedule_capacity, 1) : 1});
   buffers.allocate(plan.device, static_cast<void*>(s), release);
   Uploader up(s);
   up.add(state.docs, docs_flat);
@@ -883,7 +885,7 @@ void build_schedule(const Topology& topo, const TensorView& topk, SparsePlan& pl
                 state.schedule_capacity, static_cast<const int32_t*>(plan.rows.data()),
                 static_cast<WorkItem*>(plan.schedule.data()), static_cast<int32_t*>(plan.work_count_dev.data()),
                 i32(state.schedule_full), nullptr, nullptr, nullptr, s);
-    build_forward_order(plan, state, Hkv, s);
+    state.forward_ordered = build_forward_order(plan, state, Hkv, s);
   }
   if (with_chunks)
     build_items(static_cast<const int32_t*>(plan.row_ptr.data()), Hkv, int32_t(rows), kChunkQueries,

@@ -131,6 +131,10 @@ const PlanState& plan_state(const SparsePlan& plan);
 
 inline int32_t* i32(const Buffer& b) { return static_cast<int32_t*>(b.data()); }
 inline const DocInfo* doc_ptr(const PlanState& s) { return static_cast<const DocInfo*>(s.docs.data()); }
+// The forward's walking order, or nullptr when it walks the schedule in its own order.
+inline const int32_t* forward_order_ptr(const PlanState& s) {
+  return s.forward_ordered ? i32(s.forward_order) : nullptr;
+}
 
 inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 

@@ -99,7 +99,7 @@ void paged_prefill_attention(const InferencePlan& plan, const PagedAttentionPara
   f.split_counts = i32(e->plan.split_counts);
   f.status = i32(e->plan.status);
   f.docs = doc_ptr(e->state);
-  f.order = e->state.forward_ordered ? i32(e->state.forward_order) : nullptr;
+  f.order = forward_order_ptr(e->state);
   f.q_per_cta = e->plan.q_per_cta;
   f.part_o = static_cast<char*>(e->scratch.data()) + e->partials.part_o;
   f.part_ml = static_cast<char*>(e->scratch.data()) + e->partials.part_ml;
