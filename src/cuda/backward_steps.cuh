@@ -230,7 +230,10 @@ struct ChunkPass {
       : guard(q.device.index), plan(plan_), layout(L), st(plan_state(plan_)), stream(as_stream(opt)),
         total_q(L.total_q()), total_k(L.total_k()), w(workspace_layout(topo, L, call, opt.deterministic)),
         deterministic(opt.deterministic),
-        chunks(chunk_list(plan_, st, total_q)), scratch(call_workspace(st, workspace)) {}
+        // The window walk keeps the fp32 dQ reductions in L2; it measured no gain for the
+        // deterministic mode's bf16 partials or for the KL (src/core/walk_order.h).
+        chunks(chunk_list(plan_, st, total_q, call == WorkspaceCall::backward && !opt.deterministic)),
+        scratch(call_workspace(st, workspace)) {}
 
   template <typename T>
   T* ws(int64_t offset) const {

@@ -21,7 +21,7 @@
 #include "cuda/device_layout.cuh"
 #include "cuda/plan_build.h"
 #include "core/buffer_pack.h"
-#include "core/forward_walk.h"
+#include "core/walk_order.h"
 #include "cuda/scratch.h"
 #include "cuda/workspace.h"
 
@@ -716,13 +716,13 @@ void build_items(const int32_t* row_ptr, int Hkv, int32_t total_rows, int per_it
 // reads Q rows from all over the sequence: each query's Q tile is read once per selected block
 // (16 times a KV head) and almost never from L2. The forward walks the items by chunks of
 // packed queries instead (then head, then row, so consecutive items still share key blocks;
-// the chunk: src/core/forward_walk.h), and its CTAs move through that list together
+// the chunk: src/core/walk_order.h), and its CTAs move through that list together
 // (attention_forward.cu, cta_tasks). Measured at 16k tokens: forward -18 % (performance.md,
 // run 40).
 
 // Sort key of every schedule slot: (chunk of the item's first query, head * rows + row), or
 // `sentinel` past the items in use; the value is the slot.
-__global__ void forward_order_keys_kernel(const WorkItem* __restrict__ items, const int32_t* __restrict__ work_count,
+__global__ void walk_order_keys_kernel(const WorkItem* __restrict__ items, const int32_t* __restrict__ work_count,
                                           int64_t capacity, const int32_t* __restrict__ q_indices, int64_t total_q,
                                           const DocInfo* __restrict__ docs, int chunk_queries, int32_t rows, int row_bits,
                                           uint64_t sentinel, uint64_t* __restrict__ keys, int32_t* __restrict__ vals) {
@@ -739,32 +739,39 @@ __global__ void forward_order_keys_kernel(const WorkItem* __restrict__ items, co
   keys[i] = (uint64_t(chunk) << row_bits) | uint64_t(int64_t(it.head_kv) * rows + it.row);
 }
 
-// Writes state.forward_order: the schedule's slots sorted by forward_order_keys_kernel's key
-// (stable, so a row's items keep their order within a chunk). The items in use come first.
-// Returns whether it was written (the layout's rule gave a chunk and the schedule has items).
-bool build_forward_order(const SparsePlan& plan, PlanState& state, int Hkv, cudaStream_t s) {
-  const int64_t capacity = state.schedule_capacity, total_q = plan.total_q, rows = plan.total_rows;
-  if (capacity == 0 || total_q == 0 || state.forward_chunk == 0) return false;
+// Writes `order` ([capacity]): the slots of `items` (`count` in use) sorted by
+// walk_order_keys_kernel's key for chunks of `chunk_queries` queries (stable, so a row's
+// items keep their order within a chunk); the items in use come first. False: not built.
+bool build_walk_order(const SparsePlan& plan, const PlanState& state, const WorkItem* items, const int32_t* count,
+                      int64_t capacity, int chunk_queries, int Hkv, int32_t* order, cudaStream_t s) {
+  const int64_t total_q = plan.total_q, rows = plan.total_rows;
+  if (capacity == 0 || total_q == 0 || chunk_queries == 0) return false;
   const int row_bits = bits_for(int64_t(Hkv) * rows);
-  const int64_t chunks = ceil_div(total_q, state.forward_chunk);
+  const int64_t chunks = ceil_div(total_q, chunk_queries);
   const int bits = row_bits + bits_for(chunks);  // chunk index `chunks` is the sentinel's
   if (bits > 64) return false;                   // not reachable under check_schedule_size
   const uint64_t sentinel = uint64_t(chunks) << row_bits;
   StreamScratch keys_in(capacity * 8, s), keys_out(capacity * 8, s), vals_in(capacity * 4, s);
-  forward_order_keys_kernel<<<blocks_for(capacity), kThreads, 0, s>>>(
-      static_cast<const WorkItem*>(plan.schedule.data()), static_cast<const int32_t*>(plan.work_count_dev.data()),
-      capacity, static_cast<const int32_t*>(plan.q_indices.data()), total_q, doc_ptr(state), state.forward_chunk,
-      int32_t(rows), row_bits, sentinel, keys_in.as<uint64_t>(), vals_in.as<int32_t>());
-  MSA_CUDA_CHECK_LAUNCH("forward_order_keys_kernel");
+  walk_order_keys_kernel<<<blocks_for(capacity), kThreads, 0, s>>>(
+      items, count, capacity, static_cast<const int32_t*>(plan.q_indices.data()), total_q, doc_ptr(state),
+      chunk_queries, int32_t(rows), row_bits, sentinel, keys_in.as<uint64_t>(), vals_in.as<int32_t>());
+  MSA_CUDA_CHECK_LAUNCH("walk_order_keys_kernel");
   size_t sort_bytes = 0;
   MSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, keys_in.as<uint64_t>(), keys_out.as<uint64_t>(),
-                                                 vals_in.as<int32_t>(), i32(state.forward_order), int(capacity), 0,
-                                                 bits, s));
+                                                 vals_in.as<int32_t>(), order, int(capacity), 0, bits, s));
   StreamScratch temp(int64_t(sort_bytes), s);
   MSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.get(), sort_bytes, keys_in.as<uint64_t>(),
-                                                 keys_out.as<uint64_t>(), vals_in.as<int32_t>(),
-                                                 i32(state.forward_order), int(capacity), 0, bits, s));
+                                                 keys_out.as<uint64_t>(), vals_in.as<int32_t>(), order, int(capacity),
+                                                 0, bits, s));
   return true;
+}
+
+// state.forward_order: the schedule in the forward's walking order; whether it was written.
+bool build_forward_order(const SparsePlan& plan, PlanState& state, int Hkv, cudaStream_t s) {
+  return build_walk_order(
+      plan, state, static_cast<const WorkItem*>(plan.schedule.data()),
+      static_cast<const int32_t*>(plan.work_count_dev.data()), state.schedule_capacity, state.forward_chunk, Hkv,
+      i32(state.forward_order), s);
 }
 
 }  // namespace
@@ -786,6 +793,7 @@ void upload_layout(const Topology& topo, const PackedLayout& L, SparsePlan& plan
   for (const DocInfo& d : docs) docs_flat.insert(docs_flat.end(), {d.q_start, d.q_len, d.k_start, d.k_len});
   state.num_documents = B;
   state.forward_chunk = detail::forward_chunk_queries(L);
+  state.backward_window = with_chunks ? detail::backward_window_queries(L) : 0;
   state.schedule_capacity = plan.schedule.view().shape[0];
   state.chunk_capacity = with_chunks ? chunk_capacity(topo, L) : 0;
   const int64_t per_row = with_chunks ? std::max<int64_t>(Hkv * rows, 1) : 1;
@@ -804,6 +812,8 @@ void upload_layout(const Topology& topo, const PackedLayout& L, SparsePlan& plan
   // Only a layout whose rule gives a chunk is ever walked by it (build_forward_order).
   buffers.add(&state.forward_order, DType::i32,
               {state.forward_chunk > 0 ? std::max<int64_t>(state.schedule_capacity, 1) : 1});
+  buffers.add(&state.chunk_order, DType::i32,
+              {state.backward_window > 0 ? std::max<int64_t>(state.chunk_capacity, 1) : 1});
   buffers.allocate(plan.device, static_cast<void*>(s), release);
   Uploader up(s);
   up.add(state.docs, docs_flat);
@@ -822,6 +832,7 @@ void build_schedule(const Topology& topo, const TensorView& topk, SparsePlan& pl
   const int64_t edges = int64_t(Hkv) * total_q * kTopk;
   plan.work_count = -1;
   state.forward_ordered = false;
+  state.chunks_ordered = false;
   const EdgeArgs edge_args{topk.as<const int32_t>(), int32_t(total_q), Hkv, B, i32(state.cu_q), doc_ptr(state),
                            i32(state.doc_row_base), i32(state.row_of), int32_t(rows),
                            static_cast<int32_t*>(plan.split_counts.data()), static_cast<int32_t*>(plan.status.data())};
@@ -892,6 +903,10 @@ void build_schedule(const Topology& topo, const TensorView& topk, SparsePlan& pl
                 state.chunk_capacity, static_cast<const int32_t*>(plan.rows.data()),
                 static_cast<WorkItem*>(state.chunks.data()), i32(state.chunk_count), nullptr, i32(state.chunk_first),
                 i32(state.chunk_nfull), i32(state.chunk_tail), s);
+  if (with_chunks)
+    state.chunks_ordered = build_walk_order(plan, state, static_cast<const WorkItem*>(state.chunks.data()),
+                                            i32(state.chunk_count), state.chunk_capacity, state.backward_window, Hkv,
+                                            i32(state.chunk_order), s);
 }
 
 void build_plan(const Topology& topo, const PackedLayout& L, const TensorView& topk, const TensorView& workspace,

@@ -70,11 +70,14 @@ struct ChunkList {
   const DocInfo* docs;
   const int32_t* status;      // nonzero: invalid plan, the kernels do nothing
   int64_t total_q;
+  const int32_t* order;       // [capacity] the walk by query windows, or nullptr: the list's order
 };
 
-inline ChunkList chunk_list(const SparsePlan& plan, const PlanState& st, int64_t total_q) {
+// `windowed`: walk by the plan's query windows where it built them (the default-mode backward).
+inline ChunkList chunk_list(const SparsePlan& plan, const PlanState& st, int64_t total_q, bool windowed) {
   return {reinterpret_cast<const WorkItem*>(st.chunks.data()), i32(st.chunk_count), i32(plan.q_indices),
-          i32(plan.split_slot), doc_ptr(st), i32(plan.status), total_q};
+          i32(plan.split_slot), doc_ptr(st), i32(plan.status), total_q,
+          windowed && st.chunks_ordered ? i32(st.chunk_order) : nullptr};
 }
 
 // One chunk as the kernels see it.
@@ -153,7 +156,8 @@ __device__ __forceinline__ void walk_chunks(const ChunkList& list, QueryMeta (&m
   static_assert(kStages >= 1 && kStages <= 4, "one stage refilled mid-body, or a ring of stages");
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int nchunks = *list.count;
-  for (int c = blockIdx.x; c < nchunks; c += gridDim.x) {
+  for (int n = blockIdx.x; n < nchunks; n += gridDim.x) {
+    const int c = list.order ? list.order[n] : n;
     const Chunk ch = open_chunk(list, c);
     auto fetch = [&](int sub) { return fetch_query(list, ch, sub * kSubQueries + warp); };
     auto load_queries = [&](int sub, QueryRecord rec) {

@@ -123,6 +123,9 @@ struct PlanState {
   bool keys_overlap = false;  // some key token belongs to several documents (fragments)
   bool forward_ordered = false;  // forward_order holds the walk (else the schedule's own order)
   int forward_chunk = 0;         // queries a chunk of that walk; 0: the schedule's order
+  Buffer chunk_order;            // [chunk capacity] int32: the chunk list in the backward's walking order
+  bool chunks_ordered = false;   // chunk_order holds that walk (else the list's own order)
+  int backward_window = 0;       // queries a window of that walk; 0: the list's order
 };
 
 inline constexpr int kChunkQueries = 128;  // queries per backward / KL work item
