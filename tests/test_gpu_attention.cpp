@@ -1,5 +1,6 @@
 // Sparse attention forward and backward on the GPU against the CPU backend, on the same
 // selection (the CPU indexer's) and, for the backward, the same forward outputs.
+#include "../src/core/walk_order.h"
 #include "test_gpu_shapes.h"
 #include "test_gpu_support.h"
 
@@ -123,6 +124,16 @@ TEST(GpuBackward, TopologiesAndFloat32) {
   forced.init_blocks = 1;
   forced.local_blocks = 2;
   check_backward_against_cpu(rng, forced, L);
+}
+
+TEST(GpuBackward, LongDocumentsWalkedByQueryWindows) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  // Long enough that the default mode walks its chunks by query windows (src/core/walk_order.h),
+  // with a short second document and a window boundary inside a 128-query chunk item.
+  const PackedLayout L = layout_of({9000, 300});
+  ASSERT_GT(detail::backward_window_queries(L), 0);
+  check_backward_against_cpu(rng, Topology::minimax_m3(4), L);
 }
 
 TEST(GpuBackward, DeterministicModeIsBitwiseReproducible) {
