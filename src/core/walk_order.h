@@ -23,7 +23,7 @@
 namespace msa::detail {
 
 inline constexpr int kForwardChunkMin = 2048;
-inline constexpr int kForwardChunkMax = 2048;  // 4096 was not measured (performance.md run 40)
+inline constexpr int kForwardChunkMax = 2048;  // 4096: +6 % at 64k (performance.md run 41)
 inline constexpr double kForwardQueriesPerBlock = 32;  // four 8-query tasks a key-block load
 
 inline int forward_chunk_queries(const PackedLayout& L) {
