@@ -718,14 +718,15 @@ void build_items(const int32_t* row_ptr, int Hkv, int32_t total_rows, int per_it
 // packed queries instead (then head, then row, so consecutive items still share key blocks;
 // the chunk: src/core/walk_order.h), and its CTAs move through that list together
 // (attention_forward.cu, cta_tasks). Measured at 16k tokens: forward -18 % (performance.md,
-// run 40).
+// run 40). The default-mode backward walks its chunk list by query windows the same way, for
+// its dQ reductions' sake (run 41).
 
 // Sort key of every schedule slot: (chunk of the item's first query, head * rows + row), or
 // `sentinel` past the items in use; the value is the slot.
 __global__ void walk_order_keys_kernel(const WorkItem* __restrict__ items, const int32_t* __restrict__ work_count,
-                                          int64_t capacity, const int32_t* __restrict__ q_indices, int64_t total_q,
-                                          const DocInfo* __restrict__ docs, int chunk_queries, int32_t rows, int row_bits,
-                                          uint64_t sentinel, uint64_t* __restrict__ keys, int32_t* __restrict__ vals) {
+                                       int64_t capacity, const int32_t* __restrict__ q_indices, int64_t total_q,
+                                       const DocInfo* __restrict__ docs, int chunk_queries, int32_t rows, int row_bits,
+                                       uint64_t sentinel, uint64_t* __restrict__ keys, int32_t* __restrict__ vals) {
   const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (i >= capacity) return;
   vals[i] = int32_t(i);
