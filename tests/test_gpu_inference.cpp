@@ -479,33 +479,39 @@ TEST(GpuInference, IndexerPrefillLongRunsMatchCpu) {
   }
 }
 
-// The prefill selection keeps the pages ranking at or above a threshold (the `slots`-th best of
-// its 32 lanes' own bests) and ranks only those. Request 0 is built so that the best pages crowd
-// into a few lanes (index-q = e0, a page's index keys = f(page) e0, every page whose id is 0..11
-// mod 32 above all others): ~400 pages pass the threshold, more than a warp keeps, and the
-// selection takes its exact lists instead. Request 1 (random values) takes the threshold with
-// 256 + 1 .. 256 + 4 history pages a row, a last round of loads that only some lanes fill.
-// Request 0's scores are exact (one nonzero product each): its rows must equal the CPU's.
+// The selection keeps the pages ranking at or above a threshold (the `slots`-th best of its 32
+// lanes' own bests) and ranks only those. Request 0 is built so that the best pages crowd into a
+// few lanes (index-q = e0, a page's index keys = f(page) e0, every page whose id is 0..11 mod 32
+// above all others): ~400 pages pass the threshold, more than a warp keeps, and the selection
+// takes its exact lists instead. Request 1 (random values) takes the threshold with 256 + 1 ..
+// 256 + 4 history pages a row (prefill), a last round of loads that only some lanes fill.
+// Request 0's scores are exact (one nonzero product each): its rows must equal the CPU's. The
+// decode case (4 rows a request) takes the same paths over the decode score kernel's pages.
 TEST(GpuInference, IndexerSelectionWhenTheBestPagesShareLanes) {
   MSA_REQUIRE_GPU();
   MSA_SEEDED_RNG(rng);
   CaseOptions o;
   o.index_dtype = DType::bf16;
-  PagedCase c = make_prefill_case(rng, Topology::minimax_m3(4), {140000, 33000}, {40, 400}, o);
-  const int64_t hi = c.topo.num_index_heads;
-  for (int64_t row = c.cu_seqlens_q[0]; row < c.cu_seqlens_q[1]; ++row)
-    for (int64_t e = row * hi * 128; e < (row + 1) * hi * 128; ++e) c.index_q.set(e, e % 128 == 0 ? 1.f : 0.f);
-  for (int64_t p = 0; p * 128 < c.seq_lens[0]; ++p) {
-    const int64_t page = c.page_table[size_t(p)];
-    const float f = p % 32 < 12 ? float(2048 + p) : float(p % 251);  // stored in bf16, as both backends read it
-    for (int64_t e = page * 128 * 128; e < (page + 1) * 128 * 128; ++e) c.index_k_cache.set(e, e % 128 == 0 ? f : 0.f);
+  for (const bool decode : {false, true}) {
+    SCOPED_TRACE(decode ? "decode, Q 4" : "prefill");
+    PagedCase c = decode ? make_decode_case(rng, Topology::minimax_m3(4), {140000, 33000 + 260}, 4, o)
+                         : make_prefill_case(rng, Topology::minimax_m3(4), {140000, 33000}, {40, 400}, o);
+    const int64_t hi = c.topo.num_index_heads;
+    for (int64_t row = c.cu_seqlens_q[0]; row < c.cu_seqlens_q[1]; ++row)
+      for (int64_t e = row * hi * 128; e < (row + 1) * hi * 128; ++e) c.index_q.set(e, e % 128 == 0 ? 1.f : 0.f);
+    for (int64_t p = 0; p * 128 < c.seq_lens[0]; ++p) {
+      const int64_t page = c.page_table[size_t(p)];
+      const float f = p % 32 < 12 ? float(2048 + p) : float(p % 251);  // stored in bf16, as both backends read it
+      for (int64_t e = page * 128 * 128; e < (page + 1) * 128 * 128; ++e)
+        c.index_k_cache.set(e, e % 128 == 0 ? f : 0.f);
+    }
+    DeviceCase d(c);
+    const HostTensor gpu = gpu_indexer(c, d, gpu_plan(c)), cpu = cpu_indexer(c);
+    expect_selection_matches_cpu(c, gpu, cpu);
+    const std::vector<int32_t> g = gpu.ints(), w = cpu.ints();
+    for (int64_t r = c.cu_seqlens_q[0]; r < c.cu_seqlens_q[1]; ++r)
+      EXPECT_TRUE(std::equal(g.begin() + r * 16, g.begin() + r * 16 + 16, w.begin() + r * 16)) << "request 0, row " << r;
   }
-  DeviceCase d(c);
-  const HostTensor gpu = gpu_indexer(c, d, gpu_plan(c)), cpu = cpu_indexer(c);
-  expect_selection_matches_cpu(c, gpu, cpu);
-  const std::vector<int32_t> g = gpu.ints(), w = cpu.ints();
-  for (int64_t r = c.cu_seqlens_q[0]; r < c.cu_seqlens_q[1]; ++r)
-    EXPECT_TRUE(std::equal(g.begin() + r * 16, g.begin() + r * 16 + 16, w.begin() + r * 16)) << "request 0, row " << r;
 }
 
 TEST(GpuInference, DecodeAttentionMatchesCpuEveryFormat) {
