@@ -1,5 +1,7 @@
 // Sparse attention forward and backward on the GPU against the CPU backend, on the same
 // selection (the CPU indexer's) and, for the backward, the same forward outputs.
+#include <algorithm>
+
 #include "../src/core/walk_order.h"
 #include "test_gpu_shapes.h"
 #include "test_gpu_support.h"
@@ -10,8 +12,8 @@ namespace {
 // Forward: out relative L2 < 1e-2 against the CPU output, LSE atol = rtol = 1e-3, rows
 // without keys exactly (0, -inf), every element written.
 void check_forward_against_cpu(std::mt19937_64& rng, const Topology& topo, const PackedLayout& L,
-                               DType out_dtype = DType::bf16, int q_per_cta = 8) {
-  AttentionCase c = make_case(rng, topo, L);
+                               DType out_dtype = DType::bf16, int q_per_cta = 8, HostTensor topk_in = {}) {
+  AttentionCase c = make_case(rng, topo, L, std::move(topk_in));
   const ForwardOutputs want = run_forward(c, out_dtype);
   DeviceTensor q(c.q), k(c.k), v(c.v), topk(c.topk);
   PlanOptions options;
@@ -56,6 +58,31 @@ TEST(GpuForward, RealShapes) {
     SCOPED_TRACE(s.name);
     check_forward_against_cpu(rng, Topology(), s.layout);
   }
+}
+
+// The forward holds the partials of one window of its walk at a time (src/core/walk_order.h):
+// 7000 queries are 4 windows of 2048. Every query selects its 16 most recent blocks, except
+// four far apart (windows 1, 1, 2, 3) that take block 0 instead of their oldest: the last item
+// of block 0's row holds those four, and is computed again in each later window it reaches.
+TEST(GpuForward, WindowsAndItemsThatStraddleThem) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  const Topology topo;
+  const PackedLayout L = layout_of({7000});
+  const int64_t T = L.total_q();
+  ASSERT_EQ(detail::forward_window_queries(T, detail::forward_chunk_queries(L)), 2048);
+  const std::vector<int64_t> far = {2100, 3000, 4300, 6500};
+  HostTensor topk(DType::i32, {topo.num_index_heads, T, topo.topk});
+  int32_t* ids = topk.data<int32_t>();
+  for (int g = 0; g < topo.num_index_heads; ++g)
+    for (int64_t q = 0; q < T; ++q) {
+      const int32_t nvis = int32_t(q / 128 + 1), first = std::max(0, nvis - 16);
+      int32_t* row = ids + (g * T + q) * 16;
+      for (int s = 0; s < 16; ++s) row[s] = first + s < nvis ? first + s : -1;
+      if (std::find(far.begin(), far.end(), q) != far.end()) row[0] = 0;
+    }
+  check_forward_against_cpu(rng, topo, L, DType::f32, 8, topk);
+  check_forward_against_cpu(rng, topo, L, DType::bf16, 32, std::move(topk));  // items of 32: 4 tasks each
 }
 
 TEST(GpuForward, TopologiesOutputTypesAndItemSizes) {

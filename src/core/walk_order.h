@@ -41,6 +41,20 @@ inline int forward_chunk_queries(const PackedLayout& L) {
   return 0;
 }
 
+// The forward's partial outputs (one per (query, head, selected block): ~269 KB a query with
+// 64 heads) are held for one window of its walk at a time: the window's tasks, then its merge,
+// then the next window in the same space. A window is whole chunks of the walk, at least one,
+// and at most kForwardWindows windows a call (each costs a launch pair and a wave's tail): at
+// 16k tokens 8 windows of 2048 queries (0.55 GB of partials instead of 4.4), at 128k 16 of
+// 8192 (2.2 GB instead of 35). Without a walk (chunk 0) the call is one window of every query.
+inline constexpr int64_t kForwardWindows = 16;
+
+inline int64_t forward_window_queries(int64_t total_q, int chunk) {
+  if (chunk <= 0 || total_q <= chunk) return total_q;
+  const int64_t chunks = (total_q + chunk - 1) / chunk;
+  return (chunks + kForwardWindows - 1) / kForwardWindows * chunk;
+}
+
 // The backward (default mode: fp32 dQ reductions) walks its 128-query chunk items by windows
 // of kBackwardWindow packed queries, so that a window's dQ accumulator lines (1024 x 16 heads
 // x 512 B = 8 MB a KV head), Q and dO stay in L2 while the window's chunks reduce into them.

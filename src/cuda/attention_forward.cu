@@ -35,6 +35,7 @@
 
 #include "attention_state.h"
 #include "backend.h"
+#include "core/check.h"
 #include "msa/constants.h"
 #include "plan_records.h"
 #include "cuda/attention_forward.h"
@@ -202,7 +203,15 @@ struct ForwardArgs {
   const DocInfo* docs;        // [B]
   const int32_t* order;       // [capacity]: schedule items in walking order, or nullptr
   const int32_t* status;      // [4]
-  float2* part_ml;            // [16, Tq, Hq]: (max of S * scale * log2(e), sum of 2^(that - max))
+  float2* part_ml;            // [16, window, Hq]: (max of S * scale * log2(e), sum of 2^(that - max))
+  // The window this launch computes: queries [q_lo, q_hi) (a task's other queries are absent),
+  // their partials at row - q_lo of the `window` rows of part_o / part_ml; with several windows,
+  // its own items and straddling ones (ForwardLaunch).
+  int64_t q_lo, q_hi, window;
+  const int32_t* window_begin;
+  const int32_t* straddle_begin;
+  const int32_t* straddle_items;
+  int window_index;
   int64_t total_q;
   int Hq, Hkv;
   int nsub;                   // tasks per schedule item: ceil(q_per_cta / kQueriesPerTask)
@@ -223,21 +232,35 @@ struct CtaTasks {
   const int32_t* order = nullptr;
   int64_t run_stride = 0, nruns_tasks = 0;  // walking order: G * kRunTasks, the CTA's tasks in whole runs
   int nsub = 1, cta = 0;
+  // Walking order: the launch's items are order[own0 ..][.. own) then straddle[.. ] (a window's).
+  int64_t own0 = 0, own = 0;
+  const int32_t* straddle = nullptr;
+  __device__ int64_t item_at(int64_t i) const { return i < own ? order[own0 + i] : straddle[i - own]; }
   __device__ int64_t count() const { return order ? nruns_tasks + ntail : nfirst + ntail; }
   __device__ int64_t task(int64_t n) const {
     if (order == nullptr) return n < nfirst ? first + n : tail0 + (n - nfirst) * stride;
     const int64_t p = n < nruns_tasks ? (n / kRunTasks) * run_stride + int64_t(cta) * kRunTasks + n % kRunTasks
                                       : tail0 + (n - nruns_tasks);
-    return int64_t(order[p / nsub]) * nsub + p % nsub;
+    return item_at(p / nsub) * nsub + p % nsub;
   }
 };
 
 __device__ CtaTasks cta_tasks(const ForwardArgs& a) {
-  const int64_t total = int64_t(*a.work_count) * a.nsub, full = int64_t(*a.full_items) * a.nsub;
+  int64_t total = int64_t(*a.work_count) * a.nsub;
+  const int64_t full = int64_t(*a.full_items) * a.nsub;
   const int64_t G = gridDim.x, c = blockIdx.x;
   CtaTasks r;
   if (a.order != nullptr) {
     r.order = a.order, r.nsub = a.nsub, r.cta = int(c);
+    r.own = *a.work_count;
+    if (a.window_begin != nullptr) {
+      const int w = a.window_index;
+      const int64_t s0 = a.straddle_begin[w];
+      r.own0 = a.window_begin[w];
+      r.own = a.window_begin[w + 1] - r.own0;
+      r.straddle = a.straddle_items + s0;
+      total = (r.own + a.straddle_begin[w + 1] - s0) * a.nsub;
+    }
     r.run_stride = G * kRunTasks;
     const int64_t rounds = total / r.run_stride, rest = total - rounds * r.run_stride;
     r.nruns_tasks = rounds * kRunTasks;
@@ -283,6 +306,7 @@ __device__ TaskMeta fetch_task(const ForwardArgs& a, int64_t task, int pw) {
     if (qi < q_count) {
       const int64_t e = int64_t(m.g) * a.total_q * kSlots + q_begin + qi;
       const int ql = a.q_indices[e];
+      if (d.q_start + ql < a.q_lo || d.q_start + ql >= a.q_hi) continue;  // another window's
       m.row[i] = d.q_start + ql;
       m.slot[i] = a.split_slot[e];
       m.limit[i] = d.k_len - d.q_len + ql - m.j * kBlock;
@@ -703,11 +727,11 @@ __device__ __forceinline__ void store_partial(const ForwardArgs& a, const CUtens
                      pack_bf16(o[2 * k + 1][2], o[2 * k + 1][3]));
     fence_proxy_async();  // the stmatrix writes are read by TMA next
     __syncwarp();
-    const int out_row = (m.slot * int(a.total_q) + m.row) * a.Hq + kGroup * m.head_kv;
+    const int64_t out_row = (m.slot * a.window + (m.row - a.q_lo)) * a.Hq + kGroup * m.head_kv;
     if (lane == 0) {  // partial outputs are read back only by the merge, long after
       const uint64_t stream = l2_evict_first();
-      tma_store_2d(part_map, 0, out_row, qs + r16 * kBoxRowBytes, stream);
-      tma_store_2d(part_map, kDim / 2, out_row, qs + kBoxBytes + r16 * kBoxRowBytes, stream);
+      tma_store_2d(part_map, 0, int(out_row), qs + r16 * kBoxRowBytes, stream);
+      tma_store_2d(part_map, kDim / 2, int(out_row), qs + kBoxBytes + r16 * kBoxRowBytes, stream);
     }
     if ((lane & 3) == 0) {
       a.part_ml[out_row + (lane >> 2)] = make_float2(r.ms0, r.l0);
@@ -895,8 +919,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   run_consumer<Kind>(a, &part_map, &v_map, int(ntasks), sm, tid);  // ntasks >= 1
 }
 
-// Merges the partial states of every (query, head): thread = 8 output dims of one
-// (query, head). Partial s is the attention state (m_s, l_s, O_s) of one selected block
+// Merges the partial states of every (query, head) of a window, queries [q_lo, q_lo + count)
+// (their partials at rows 0 .. count - 1 of the window's `window` rows): thread = 8 output dims
+// of one (query, head). Partial s is the attention state (m_s, l_s, O_s) of one selected block
 // (src/attention_state.h: scores in log2 units, O_s unnormalised); the merge, the division and
 // the LSE, and the rules for empty rows and non-finite sums, are that header's. The
 // slots are read in batches of 4 (the loads of a batch in flight together), which keeps the
@@ -909,17 +934,18 @@ static_assert(kMergeChunks == 16, "the merge's shifts");
 template <typename Out>
 __global__ void __launch_bounds__(kMergeThreads, 4)
     forward_merge_kernel(const __nv_bfloat16* __restrict__ part_o, const float2* __restrict__ part_ml,
-                         const int32_t* __restrict__ split_counts, const int32_t* __restrict__ status, int64_t total_q,
-                         int Hq, int Hkv, const float* __restrict__ value_scale, Out* __restrict__ out,
-                         float* __restrict__ lse) {
+                         const int32_t* __restrict__ split_counts, const int32_t* __restrict__ status, int64_t q_lo,
+                         int64_t count, int64_t window, int Hq, int Hkv, const float* __restrict__ value_scale,
+                         Out* __restrict__ out, float* __restrict__ lse) {
   const int64_t gid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (gid >= total_q * Hq * kMergeChunks) return;
-  const int64_t qh = gid >> 4;  // query * Hq + head (kMergeChunks threads each)
+  if (gid >= count * Hq * kMergeChunks) return;
+  const int64_t wqh = gid >> 4;  // (query - q_lo) * Hq + head (kMergeChunks threads each)
+  const int64_t qh = q_lo * Hq + wqh;
   const int chunk = int(gid & 15);
   const int64_t q = qh / Hq;
   const int h = int(qh % Hq);
   const int C = split_counts[q * Hkv + h / kGroup];
-  const int64_t slot_stride = total_q * Hq;
+  const int64_t slot_stride = window * Hq;
   float acc[8];
 #pragma unroll
   for (int e = 0; e < 8; ++e) acc[e] = 0.f;
@@ -929,8 +955,8 @@ __global__ void __launch_bounds__(kMergeThreads, 4)
 #pragma unroll
     for (int e = 0; e < 8; ++e) acc[e] = NAN;
   } else if (C > 0) {
-    const float2* ml_row = part_ml + qh;                   // slot s at ml_row[s * slot_stride]
-    const __nv_bfloat16* o_row = part_o + qh * kDim + chunk * 8;  // slot s at o_row[s * slot_stride * kDim]
+    const float2* ml_row = part_ml + wqh;                   // slot s at ml_row[s * slot_stride]
+    const __nv_bfloat16* o_row = part_o + wqh * kDim + chunk * 8;  // slot s at o_row[s * slot_stride * kDim]
     // Two passes: the common max first (the maxima are read again with the partials; they are
     // cached), then every slot's sum and values weighted against it.
     SoftmaxState row = SoftmaxState::empty();
@@ -1020,6 +1046,17 @@ void launch_tasks(const ForwardArgs& a, const CUtensorMap& q_map, const CUtensor
 
 }  // namespace
 
+void set_forward_windows(ForwardLaunch& f, const PlanState& state) {
+  if (state.forward_windows <= 1) return;
+  f.window = state.forward_window;
+  f.windows = state.forward_windows;
+  f.window_begin = i32(state.window_begin);
+  f.straddle_begin = i32(state.straddle_begin);
+  f.straddle_items = i32(state.straddle_items);
+}
+
+// Window by window: its tasks write its queries' partials, its merge reads them, and the next
+// window reuses the space (the stream orders the four).
 void run_sparse_forward(const ForwardLaunch& f, cudaStream_t s) {
   const int64_t Tq = f.total_q;
   if (Tq == 0) return;
@@ -1039,32 +1076,52 @@ void run_sparse_forward(const ForwardLaunch& f, cudaStream_t s) {
   a.Hkv = f.Hkv;
   a.nsub = int(ceil_div(f.q_per_cta, kQueriesPerTask));
   a.scale_log2 = f.softmax_scale * math::kLog2e;
+  const bool windowed = f.windows > 1;
+  detail::require(!windowed || (f.order != nullptr && f.window > 0 && f.window_begin && f.straddle_begin &&
+                                f.straddle_items && f.windows == ceil_div(Tq, f.window)),
+                  "the forward's windows need the plan's walking order and window tables");
+  a.window = windowed ? f.window : Tq;
+  if (windowed) {
+    a.window_begin = f.window_begin;
+    a.straddle_begin = f.straddle_begin;
+    a.straddle_items = f.straddle_items;
+  }
   const int64_t max_tasks = f.schedule_capacity * a.nsub;
   auto* part_o = static_cast<__nv_bfloat16*>(f.part_o);
+  CUtensorMap q_map{}, part_map{};
+  KvMaps kv;
   if (max_tasks > 0) {
-    const CUtensorMap q_map =
-        bf16_head_tile_map(f.q.data, Tq, f.Hq, f.q.stride[0], f.q.stride[1], kGroup, "q");
-    const CUtensorMap part_map = bf16_row_tile_map(part_o, kSlots * Tq * a.Hq, kGroup, "the partial-output workspace");
-    const KvMaps kv = kv_maps(f);
-    const int grid = int(std::min<int64_t>(max_tasks, sm_count()));
-    switch (f.kind) {
-      case KvSourceKind::packed_bf16: launch_tasks<KvSourceKind::packed_bf16>(a, q_map, part_map, kv, grid, s); break;
-      case KvSourceKind::paged_bf16: launch_tasks<KvSourceKind::paged_bf16>(a, q_map, part_map, kv, grid, s); break;
-      case KvSourceKind::paged_fp8: launch_tasks<KvSourceKind::paged_fp8>(a, q_map, part_map, kv, grid, s); break;
-      case KvSourceKind::paged_nvfp4: launch_tasks<KvSourceKind::paged_nvfp4>(a, q_map, part_map, kv, grid, s); break;
-    }
+    q_map = bf16_head_tile_map(f.q.data, Tq, f.Hq, f.q.stride[0], f.q.stride[1], kGroup, "q");
+    part_map = bf16_row_tile_map(part_o, kSlots * a.window * a.Hq, kGroup, "the partial-output workspace");
+    kv = kv_maps(f);
   }
-  const int blocks = int(ceil_div(Tq * f.Hq * kMergeChunks, kMergeThreads));
+  const int grid = int(std::min<int64_t>(max_tasks, sm_count()));
   const float* v_scale = f.kv.v_tensor_scale;  // quantised sources only (nullptr otherwise)
-  if (f.out.dtype == DType::f32) {
-    forward_merge_kernel<float><<<blocks, kMergeThreads, 0, s>>>(part_o, a.part_ml, f.split_counts, a.status, Tq, a.Hq,
-                                                                 a.Hkv, v_scale, f.out.as<float>(), f.lse.as<float>());
-  } else {
-    forward_merge_kernel<__nv_bfloat16><<<blocks, kMergeThreads, 0, s>>>(part_o, a.part_ml, f.split_counts, a.status,
-                                                                         Tq, a.Hq, a.Hkv, v_scale,
-                                                                         f.out.as<__nv_bfloat16>(), f.lse.as<float>());
+  for (int w = 0; w < (windowed ? f.windows : 1); ++w) {
+    a.window_index = w;
+    a.q_lo = w * a.window;
+    a.q_hi = std::min(Tq, a.q_lo + a.window);
+    if (max_tasks > 0) {
+      switch (f.kind) {
+        case KvSourceKind::packed_bf16: launch_tasks<KvSourceKind::packed_bf16>(a, q_map, part_map, kv, grid, s); break;
+        case KvSourceKind::paged_bf16: launch_tasks<KvSourceKind::paged_bf16>(a, q_map, part_map, kv, grid, s); break;
+        case KvSourceKind::paged_fp8: launch_tasks<KvSourceKind::paged_fp8>(a, q_map, part_map, kv, grid, s); break;
+        case KvSourceKind::paged_nvfp4: launch_tasks<KvSourceKind::paged_nvfp4>(a, q_map, part_map, kv, grid, s); break;
+      }
+    }
+    const int64_t count = a.q_hi - a.q_lo;
+    const int blocks = int(ceil_div(count * f.Hq * kMergeChunks, kMergeThreads));
+    if (f.out.dtype == DType::f32) {
+      forward_merge_kernel<float><<<blocks, kMergeThreads, 0, s>>>(part_o, a.part_ml, f.split_counts, a.status, a.q_lo,
+                                                                   count, a.window, a.Hq, a.Hkv, v_scale,
+                                                                   f.out.as<float>(), f.lse.as<float>());
+    } else {
+      forward_merge_kernel<__nv_bfloat16><<<blocks, kMergeThreads, 0, s>>>(
+          part_o, a.part_ml, f.split_counts, a.status, a.q_lo, count, a.window, a.Hq, a.Hkv, v_scale,
+          f.out.as<__nv_bfloat16>(), f.lse.as<float>());
+    }
+    MSA_CUDA_CHECK_LAUNCH("forward_merge_kernel");
   }
-  MSA_CUDA_CHECK_LAUNCH("forward_merge_kernel");
 }
 
 void sparse_attention_forward(const Topology& topo, const PackedLayout& L, const SparsePlan& plan,
@@ -1093,6 +1150,7 @@ void sparse_attention_forward(const Topology& topo, const PackedLayout& L, const
   f.docs = doc_ptr(st);
   f.order = forward_order_ptr(st);
   f.q_per_cta = plan.q_per_cta;
+  set_forward_windows(f, st);
   void* const scratch = call_workspace(st, p.workspace);
   f.part_o = ws<__nv_bfloat16>(scratch, w.part_o);
   f.part_ml = ws<float2>(scratch, w.part_ml);

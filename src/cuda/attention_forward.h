@@ -30,9 +30,17 @@ struct ForwardLaunch {
   const int32_t* order = nullptr;         // [capacity]: items in walking order (PlanState::forward_order);
                                           //   nullptr: the schedule's order, in contiguous shares
   int q_per_cta = 8;
-  // Scratch (workspace.h's forward regions): one partial state per (query, head, selected block).
-  void* part_o = nullptr;   // bf16 [16, Tq, Hq, 128]
-  void* part_ml = nullptr;  // f32x2 [16, Tq, Hq]
+  // The windows of the walk (PlanState::forward_window): the partials of one window's queries
+  // at a time. One window (the default) is every query.
+  int64_t window = 0;                       // queries a window: the partial scratch's rows (0: Tq)
+  int windows = 1;
+  const int32_t* window_begin = nullptr;    // [windows + 1]: window w's own items in `order`
+  const int32_t* straddle_begin = nullptr;  // [windows + 1]: its straddling items in straddle_items
+  const int32_t* straddle_items = nullptr;
+  // Scratch (workspace.h's forward regions): one partial state per (query, head, selected block)
+  // of a window.
+  void* part_o = nullptr;   // bf16 [16, window, Hq, 128]
+  void* part_ml = nullptr;  // f32x2 [16, window, Hq]
   int64_t total_q = 0;
   int Hq = 0, Hkv = 0;
   float softmax_scale = 0;
@@ -41,5 +49,8 @@ struct ForwardLaunch {
 };
 
 void run_sparse_forward(const ForwardLaunch& f, cudaStream_t stream);
+
+// The window fields of `f` from a plan's state.
+void set_forward_windows(ForwardLaunch& f, const PlanState& state);
 
 }  // namespace msa::cuda

@@ -740,11 +740,81 @@ __global__ void walk_order_keys_kernel(const WorkItem* __restrict__ items, const
   keys[i] = (uint64_t(chunk) << row_bits) | uint64_t(int64_t(it.head_kv) * rows + it.row);
 }
 
+// The forward's windows (PlanState::forward_window): thread w finds where window w's own
+// items begin in the sorted keys (their chunk is the window's first or later); the last
+// thread, where the items in use end (the sentinel keys follow them).
+__global__ void window_begin_kernel(const uint64_t* __restrict__ sorted_keys, int64_t capacity, int row_bits,
+                                    int chunks_per_window, int windows, int64_t chunks, int32_t* __restrict__ begin) {
+  const int w = int(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (w > windows) return;
+  const uint64_t first = uint64_t(w < windows ? int64_t(w) * chunks_per_window : chunks) << row_bits;
+  int64_t l = 0, r = capacity;
+  while (l < r) {
+    const int64_t m = (l + r) >> 1;
+    if (sorted_keys[m] < first) l = m + 1; else r = m;
+  }
+  begin[w] = int32_t(l);
+}
+
+// An item's queries are ascending, so the windows they fall in are too: `visit(w)` for every
+// window after the item's first that holds one of them.
+template <class Visit>
+__device__ __forceinline__ void for_later_windows(const WorkItem& it, const int32_t* q_indices, int64_t total_q,
+                                                  const DocInfo* docs, int64_t window, Visit visit) {
+  const int32_t* local = q_indices + int64_t(it.head_kv) * total_q * kTopk + it.q_begin;
+  const int64_t q0 = docs[it.document].q_start;
+  int64_t last = (q0 + local[0]) / window;
+  for (int k = 1; k < it.q_count; ++k) {
+    const int64_t w = (q0 + local[k]) / window;
+    if (w != last) visit(int(w));
+    last = w;
+  }
+}
+
+struct StraddleArgs {
+  const WorkItem* items;
+  const int32_t* work_count;
+  const int32_t* q_indices;
+  int64_t total_q;
+  const DocInfo* docs;
+  int64_t window;
+  int windows;
+  int32_t* counts;          // [windows]: straddling items per window (pass 0), then fill cursors (pass 1)
+  int32_t* begin;           // [windows + 1]
+  int32_t* straddle_items;  // [capacity]
+};
+
+// Pass 0 counts each window's straddling items, pass 1 writes them (in any order: every
+// query's partials come out the same whichever CTA computes them, and the merge reads them by
+// slot).
+__global__ void straddle_kernel(const StraddleArgs a, int pass) {
+  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (i >= *a.work_count) return;
+  for_later_windows(a.items[i], a.q_indices, a.total_q, a.docs, a.window, [&](int w) {
+    if (pass == 0) atomicAdd(&a.counts[w], 1);
+    else a.straddle_items[atomicAdd(&a.counts[w], 1)] = int32_t(i);
+  });
+}
+
+// Between the passes: begin = exclusive sum of the counts, and the counts become the cursors.
+__global__ void straddle_begin_kernel(const StraddleArgs a) {
+  if (threadIdx.x != 0 || blockIdx.x != 0) return;
+  int32_t at = 0;
+  for (int w = 0; w < a.windows; ++w) {
+    a.begin[w] = at;
+    const int32_t n = a.counts[w];
+    a.counts[w] = at;
+    at += n;
+  }
+  a.begin[a.windows] = at;
+}
+
 // Writes `order` ([capacity]): the slots of `items` (`count` in use) sorted by
 // walk_order_keys_kernel's key for chunks of `chunk_queries` queries (stable, so a row's
 // items keep their order within a chunk); the items in use come first. False: not built.
 bool build_walk_order(const SparsePlan& plan, const PlanState& state, const WorkItem* items, const int32_t* count,
-                      int64_t capacity, int chunk_queries, int Hkv, int32_t* order, cudaStream_t s) {
+                      int64_t capacity, int chunk_queries, int Hkv, int32_t* order, cudaStream_t s,
+                      int32_t* window_begin = nullptr, int64_t window_queries = 0, int windows = 1) {
   const int64_t total_q = plan.total_q, rows = plan.total_rows;
   if (capacity == 0 || total_q == 0 || chunk_queries == 0) return false;
   const int row_bits = bits_for(int64_t(Hkv) * rows);
@@ -764,15 +834,40 @@ bool build_walk_order(const SparsePlan& plan, const PlanState& state, const Work
   MSA_CUDA_CHECK(cub::DeviceRadixSort::SortPairs(temp.get(), sort_bytes, keys_in.as<uint64_t>(),
                                                  keys_out.as<uint64_t>(), vals_in.as<int32_t>(), order, int(capacity),
                                                  0, bits, s));
+  if (window_begin) {  // the forward's windows: where each one's items begin in the order
+    window_begin_kernel<<<blocks_for(windows + 1), kThreads, 0, s>>>(
+        keys_out.as<uint64_t>(), capacity, row_bits, int(window_queries / chunk_queries), windows, chunks, window_begin);
+    MSA_CUDA_CHECK_LAUNCH("window_begin_kernel");
+  }
   return true;
 }
 
 // state.forward_order: the schedule in the forward's walking order; whether it was written.
+// With several forward windows, also state.window_begin and the straddling items.
 bool build_forward_order(const SparsePlan& plan, PlanState& state, int Hkv, cudaStream_t s) {
-  return build_walk_order(
-      plan, state, static_cast<const WorkItem*>(plan.schedule.data()),
-      static_cast<const int32_t*>(plan.work_count_dev.data()), state.schedule_capacity, state.forward_chunk, Hkv,
-      i32(state.forward_order), s);
+  const bool windowed = state.forward_windows > 1;
+  const auto* items = static_cast<const WorkItem*>(plan.schedule.data());
+  const auto* count = static_cast<const int32_t*>(plan.work_count_dev.data());
+  const bool ordered =
+      build_walk_order(plan, state, items, count, state.schedule_capacity, state.forward_chunk, Hkv,
+                       i32(state.forward_order), s, windowed ? i32(state.window_begin) : nullptr, state.forward_window,
+                       state.forward_windows);
+  if (!windowed) return ordered;
+  // upload_layout gives a layout several windows only where its rule gives a walk, and the walk
+  // is built for every such layout (build_walk_order's false is unreachable then).
+  if (!ordered) throw Error(ErrorKind::runtime, "build_plan: the forward's windows need its walking order");
+  StreamScratch counts(int64_t(state.forward_windows) * 4, s);
+  MSA_CUDA_CHECK(cudaMemsetAsync(counts.get(), 0, size_t(state.forward_windows) * 4, s));
+  const StraddleArgs a{items, count, static_cast<const int32_t*>(plan.q_indices.data()), plan.total_q, doc_ptr(state),
+                       state.forward_window, state.forward_windows, counts.as<int32_t>(), i32(state.straddle_begin),
+                       i32(state.straddle_items)};
+  straddle_kernel<<<blocks_for(state.schedule_capacity), kThreads, 0, s>>>(a, 0);
+  MSA_CUDA_CHECK_LAUNCH("straddle_kernel (count)");
+  straddle_begin_kernel<<<1, 32, 0, s>>>(a);
+  MSA_CUDA_CHECK_LAUNCH("straddle_begin_kernel");
+  straddle_kernel<<<blocks_for(state.schedule_capacity), kThreads, 0, s>>>(a, 1);
+  MSA_CUDA_CHECK_LAUNCH("straddle_kernel (fill)");
+  return true;
 }
 
 }  // namespace
@@ -794,6 +889,13 @@ void upload_layout(const Topology& topo, const PackedLayout& L, SparsePlan& plan
   for (const DocInfo& d : docs) docs_flat.insert(docs_flat.end(), {d.q_start, d.q_len, d.k_start, d.k_len});
   state.num_documents = B;
   state.forward_chunk = detail::forward_chunk_queries(L);
+  state.forward_window = detail::forward_window_queries(L.total_q(), state.forward_chunk);
+  state.forward_windows = state.forward_window > 0 ? int(ceil_div(L.total_q(), state.forward_window)) : 1;
+  // An item of q_per_cta queries straddles at most q_per_cta - 1 later windows.
+  state.straddle_capacity =
+      state.forward_windows > 1
+          ? plan.schedule.view().shape[0] * std::min<int64_t>(plan.q_per_cta - 1, state.forward_windows - 1)
+          : 0;
   state.backward_window = with_chunks ? detail::backward_window_queries(L) : 0;
   state.schedule_capacity = plan.schedule.view().shape[0];
   state.chunk_capacity = with_chunks ? chunk_capacity(topo, L) : 0;
@@ -813,6 +915,9 @@ void upload_layout(const Topology& topo, const PackedLayout& L, SparsePlan& plan
   // Only a layout whose rule gives a chunk is ever walked by it (build_forward_order).
   buffers.add(&state.forward_order, DType::i32,
               {state.forward_chunk > 0 ? std::max<int64_t>(state.schedule_capacity, 1) : 1});
+  buffers.add(&state.window_begin, DType::i32, {int64_t(state.forward_windows) + 1});
+  buffers.add(&state.straddle_begin, DType::i32, {int64_t(state.forward_windows) + 1});
+  buffers.add(&state.straddle_items, DType::i32, {std::max<int64_t>(state.straddle_capacity, 1)});
   buffers.add(&state.chunk_order, DType::i32,
               {state.backward_window > 0 ? std::max<int64_t>(state.chunk_capacity, 1) : 1});
   buffers.allocate(plan.device, static_cast<void*>(s), release);

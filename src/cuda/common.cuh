@@ -123,6 +123,16 @@ struct PlanState {
   bool keys_overlap = false;  // some key token belongs to several documents (fragments)
   bool forward_ordered = false;  // forward_order holds the walk (else the schedule's own order)
   int forward_chunk = 0;         // queries a chunk of that walk; 0: the schedule's order
+  // The forward's windows (src/core/walk_order.h, forward_window_queries): packed queries
+  // [w * forward_window, (w + 1) * forward_window) are window w; one window without a walk.
+  int64_t forward_window = 0;
+  int forward_windows = 1;
+  Buffer window_begin;    // [windows + 1] int32: window w's own items (first query in it) are
+                          //   forward_order[window_begin[w] .. window_begin[w + 1])
+  Buffer straddle_begin;  // [windows + 1] int32: window w's straddling items (an earlier window's
+                          //   items with queries in w) are straddle_items[straddle_begin[w] ..]
+  Buffer straddle_items;  // [straddle capacity] int32: schedule slots
+  int64_t straddle_capacity = 0;
   Buffer chunk_order;            // [chunk capacity] int32: the chunk list in the backward's walking order
   bool chunks_ordered = false;   // chunk_order holds that walk (else the list's own order)
   int backward_window = 0;       // queries a window of that walk; 0: the list's order

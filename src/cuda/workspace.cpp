@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "backend.h"
+#include "core/walk_order.h"
 #include "msa/constants.h"
 
 namespace msa::cuda {
@@ -21,6 +22,7 @@ struct Cursor {
 WorkspaceLayout workspace_layout(const WorkspaceShape& n, WorkspaceCall call, bool deterministic) {
   const int64_t Tq = n.total_q, Tk = n.total_k, Hkv = n.num_kv_heads, Hq = 16 * Hkv, Hi = Hkv;
   const int64_t edges = int64_t(model::kTopk) * Tq;
+  const int64_t window_edges = int64_t(model::kTopk) * (n.forward_window > 0 ? n.forward_window : Tq);
   constexpr int64_t D = model::kHeadDim;
   const int64_t key_grad = int64_t(model::kBlockSize) * D * 4;  // one f32 [block, 128] key gradient tile
   WorkspaceLayout w;
@@ -32,8 +34,8 @@ WorkspaceLayout workspace_layout(const WorkspaceShape& n, WorkspaceCall call, bo
   };
   switch (call) {
     case WorkspaceCall::forward:
-      w.part_o = c.take(edges * Hq * D * 2);
-      w.part_ml = c.take(edges * Hq * 8);
+      w.part_o = c.take(window_edges * Hq * D * 2);
+      w.part_ml = c.take(window_edges * Hq * 8);
       break;
     case WorkspaceCall::backward:
       w.delta = c.take(Tq * Hq * 4);
@@ -61,8 +63,9 @@ WorkspaceLayout workspace_layout(const WorkspaceShape& n, WorkspaceCall call, bo
   return w;
 }
 
-WorkspaceLayout forward_workspace_layout(int64_t Tq, int Hkv) {
-  return workspace_layout(WorkspaceShape{.total_q = Tq, .num_kv_heads = Hkv}, WorkspaceCall::forward, false);
+WorkspaceLayout forward_workspace_layout(int64_t Tq, int Hkv, int64_t window) {
+  return workspace_layout(WorkspaceShape{.total_q = Tq, .num_kv_heads = Hkv, .forward_window = window},
+                          WorkspaceCall::forward, false);
 }
 
 int64_t chunk_capacity(const Topology& topo, const PackedLayout& L) {
@@ -71,7 +74,8 @@ int64_t chunk_capacity(const Topology& topo, const PackedLayout& L) {
 
 WorkspaceLayout workspace_layout(const Topology& topo, const PackedLayout& L, WorkspaceCall call, bool deterministic) {
   const WorkspaceShape n{.total_q = L.total_q(), .total_k = L.total_k(), .num_kv_heads = topo.num_kv_heads,
-                         .total_rows = L.total_rows(topo.block_size), .chunk_capacity = chunk_capacity(topo, L)};
+                         .total_rows = L.total_rows(topo.block_size), .chunk_capacity = chunk_capacity(topo, L),
+                         .forward_window = detail::forward_window_queries(L.total_q(), detail::forward_chunk_queries(L))};
   return workspace_layout(n, call, deterministic);
 }
 

@@ -16,8 +16,9 @@ namespace msa::cuda {
 struct WorkspaceLayout {
   static constexpr int64_t kAbsent = -1;
   // forward
-  int64_t part_o = kAbsent;    // bf16 [16, Tq, Hq, 128]: partial output of each (query, block) edge
-  int64_t part_ml = kAbsent;   // f32x2 [16, Tq, Hq]: its row max (log2 units) and sum of exponentials
+  int64_t part_o = kAbsent;    // bf16 [16, W, Hq, 128]: partial output of each (query, block) edge of
+                               //   the window being computed (W = WorkspaceShape::forward_window)
+  int64_t part_ml = kAbsent;   // f32x2 [16, W, Hq]: its row max (log2 units) and sum of exponentials
   // backward
   int64_t delta = kAbsent;     // f32 [Tq, Hq]: rowsum(dO * O)
   int64_t dout16 = kAbsent;    // bf16 [Tq, Hq, 128]: dO when it comes as f32
@@ -41,14 +42,15 @@ struct WorkspaceShape {
   int num_kv_heads = 0;
   int64_t total_rows = 0;      // k2q CSR rows (document, key block)
   int64_t chunk_capacity = 0;  // backward / KL work items (chunk_capacity below)
+  int64_t forward_window = 0;  // queries whose partials the forward holds at once (0: total_q)
 };
 
 // The regions of one call, packed from offset 0.
 WorkspaceLayout workspace_layout(const WorkspaceShape& n, WorkspaceCall call, bool deterministic);
 // The same for a plan of `L`.
 WorkspaceLayout workspace_layout(const Topology& topo, const PackedLayout& L, WorkspaceCall call, bool deterministic);
-// Only the forward's regions: what paged prefill holds.
-WorkspaceLayout forward_workspace_layout(int64_t total_q, int Hkv);
+// Only the forward's regions: what paged prefill holds (`window`: forward_window_queries).
+WorkspaceLayout forward_workspace_layout(int64_t total_q, int Hkv, int64_t window);
 // Bytes of one call's workspace; a plan's own workspace (plan_workspace_bytes, backend.h) is
 // the largest over calls and modes, since each call lays its regions out from offset 0.
 int64_t call_workspace_bytes(const Topology& topo, const PackedLayout& L, WorkspaceCall call, bool deterministic);

@@ -69,7 +69,7 @@ std::shared_ptr<void> prepare_paged_prefill(const InferencePlan& plan, const std
   // The plan's memory goes back in `stream`'s order once its runs there are done (PlanStreams).
   e->plan = detail::allocate_plan(topo, total_q, rows, kQueriesPerItem, plan.device, stream, false, Release::in_stream);
   upload_layout(topo, e->layout, e->plan, e->state, false, static_cast<cudaStream_t>(stream), Release::in_stream);
-  e->partials = forward_workspace_layout(total_q, Hkv);
+  e->partials = forward_workspace_layout(total_q, Hkv, e->state.forward_window);
   e->scratch = Buffer(plan.device, DType::u8, {e->partials.total}, stream, Release::in_stream);
   // No host wait: runs on other streams wait for the uploads on the device (InferencePlan::streams).
   return e;
@@ -101,6 +101,7 @@ void paged_prefill_attention(const InferencePlan& plan, const PagedAttentionPara
   f.docs = doc_ptr(e->state);
   f.order = forward_order_ptr(e->state);
   f.q_per_cta = e->plan.q_per_cta;
+  set_forward_windows(f, e->state);
   f.part_o = static_cast<char*>(e->scratch.data()) + e->partials.part_o;
   f.part_ml = static_cast<char*>(e->scratch.data()) + e->partials.part_ml;
   f.total_q = plan.total_q;
