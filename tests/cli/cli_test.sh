@@ -109,6 +109,8 @@ usage_errors)
   expect 2 "msa bench: error: --splits applies to the decode bench" "$msa" bench --splits 2 --tokens 128
   expect 2 "msa bench: error: --l2: x not in \{flush,keep\}" "$msa" bench --decode --backend cpu --l2 x
   expect 2 "msa bench: error: --l2 applies to the decode bench" "$msa" bench --l2 keep --tokens 128
+  expect 2 "msa bench: error: --memory applies to the training bench only" "$msa" bench --memory --decode --backend cpu
+  expect 2 "msa bench: error: --memory measures CUDA device memory: it needs --backend cuda" "$msa" bench --memory --backend cpu --tokens 128
   expect 2 "msa bench: error: --tokens applies to the training bench only" "$msa" bench --decode --tokens 4096
   expect 2 "msa bench: error: --selection: alike not in" "$msa" bench --decode --selection alike
   expect 2 "msa bench: error: --json: .*no/such/dir" "$msa" bench --decode --backend cpu --json no/such/dir/d.json

@@ -50,15 +50,53 @@ struct BenchRow {
   StepTiming indexer, indexer_fp8, plan, plan_alloc, forward, backward, backward_det, kl;
   int64_t buffer_bytes = 0;
   int64_t device_bytes = -1;  // device memory in use after the last step; -1 on the CPU
+  int64_t peak_bytes = -1;    // GPU: the most msa held during one layer step (step_peak_bytes)
 };
 
+// GPU: the most device memory msa holds during one layer step as msa.torch runs it, the row's
+// inputs and outputs included: the selection, a plan without scratch (workspace_per_call),
+// then forward, backward and KL, each on its own call_workspace_bytes for its duration.
+int64_t step_peak_bytes(const Topology& topo, const PackedLayout& layout, StepBuffers& buf, const RunOptions& run,
+                        Device dev, StepTimer& timer, PeakMemory& memory) {
+  timer.sync();
+  memory.restart();
+  select_blocks(topo, layout, buf.select_blocks_params(), run);
+  PlanOptions per_call;
+  per_call.workspace_per_call = true;
+  const SparsePlan plan = build_plan(topo, layout, buf.topk.view(), per_call, run);
+  auto scratch = [&](WorkspaceCall call) {
+    return Buffer(dev, DType::u8, {std::max<int64_t>(1, call_workspace_bytes(topo, layout, dev, call))}, run.stream);
+  };
+  {
+    const Buffer w = scratch(WorkspaceCall::forward);
+    AttentionForwardParams p = buf.forward_params();
+    p.workspace = w.view();
+    sparse_attention_forward(topo, layout, plan, p, run);
+  }
+  {
+    const Buffer w = scratch(WorkspaceCall::backward);
+    AttentionBackwardParams p = buf.backward_params();
+    p.workspace = w.view();
+    sparse_attention_backward(topo, layout, plan, p, run);
+  }
+  {
+    const Buffer w = scratch(WorkspaceCall::kl_backward);
+    KlBackwardParams p = buf.kl_params();
+    p.workspace = w.view();
+    kl_backward(topo, layout, plan, p, run);
+  }
+  timer.sync();
+  return memory.peak();
+}
+
 BenchRow bench_one(const Topology& topo, Device dev, int64_t tokens, Selection selection, int repeats, const RunOptions& run,
-                   uint64_t seed, StepTimer& timer) {
+                   uint64_t seed, StepTimer& timer, bool memory_only) {
   const PackedLayout layout = layout_of_documents({tokens});
   const int64_t T = tokens;
   const int Hq = topo.num_q_heads, Hkv = topo.num_kv_heads, Hi = topo.num_index_heads, D = topo.head_dim,
             Di = topo.index_head_dim;
   const bool gpu = dev.is_cuda();
+  PeakMemory memory(dev);  // counts from the row's first buffer on
   DeviceArena arena(dev);
 
   // Inputs: main tensors i.i.d.; index vectors by the chosen distribution.
@@ -99,6 +137,12 @@ BenchRow bench_one(const Topology& topo, Device dev, int64_t tokens, Selection s
   // not wait for.
   synchronize(dev);
 
+  BenchRow row;
+  row.tokens = T;
+  row.selection = selection;
+  if (gpu) row.peak_bytes = step_peak_bytes(topo, layout, buf, run, dev, timer, memory);
+  if (memory_only) return row;
+
   // One workspace for every plan of the row, as a training loop keeps one (CUDA only): the
   // plan time is then the plan's own work; "+alloc" times plans that allocate their own.
   const int64_t workspace_bytes = plan_workspace_bytes(topo, layout, dev);
@@ -116,9 +160,6 @@ BenchRow bench_one(const Topology& topo, Device dev, int64_t tokens, Selection s
   };
   const int warmup = gpu ? 2 : 1;
 
-  BenchRow row;
-  row.tokens = T;
-  row.selection = selection;
   row.indexer.seconds = timer.median_seconds(
       warmup, repeats, [&] { select_blocks(topo, layout, buf.select_blocks_params(), run); }, before("select_blocks"));
   if (gpu) {
@@ -195,7 +236,8 @@ std::string row_line(const BenchRow& r) {
     << ms_cell(r.indexer) << " ms " << tf_cell(r.indexer) << " TF/s (fp8 " << ms_cell(r.indexer_fp8) << ") | plan " << ms_cell(r.plan) << " ms (+alloc "
     << ms_cell(r.plan_alloc) << ") | fwd " << ms_cell(r.forward) << " ms " << tf_cell(r.forward) << " TF/s | bwd "
     << ms_cell(r.backward) << " ms " << tf_cell(r.backward) << " TF/s (det " << ms_cell(r.backward_det) << ") | kl "
-    << ms_cell(r.kl) << " ms " << tf_cell(r.kl) << " TF/s | mem " << gib_cell(r.device_bytes) << " GiB";
+    << ms_cell(r.kl) << " ms " << tf_cell(r.kl) << " TF/s | peak " << gib_cell(r.peak_bytes) << " GiB | in use "
+    << gib_cell(r.device_bytes) << " GiB";
   return s.str();
 }
 
@@ -219,7 +261,7 @@ std::string csv_text(const std::vector<BenchRow>& rows) {
         std::to_string(r.tokens), to_string(r.selection), fixed(r.union8, 2), csv_ms(r.indexer), csv_ms(r.plan),
         csv_ms(r.forward), csv_ms(r.backward), csv_ms(r.backward_det), csv_ms(r.kl), csv_tf(r.forward),
         csv_tf(r.backward), csv_tf(r.indexer), csv_tf(r.kl),
-        r.device_bytes >= 0 ? fixed(double(r.device_bytes) / double(1ull << 30), 2) : "", csv_ms(r.plan_alloc),
+        r.peak_bytes >= 0 ? fixed(double(r.peak_bytes) / double(1ull << 30), 2) : "", csv_ms(r.plan_alloc),
         std::to_string(r.buffer_bytes), csv_ms(r.indexer_fp8)};
     for (size_t i = 0; i < fields.size(); ++i) text += (i ? "," : "") + fields[i];
     text += '\n';
@@ -265,6 +307,7 @@ std::string json_text(const std::vector<BenchRow>& rows, Device dev, const Topol
     if (r.plan_alloc.measured()) row["plan_alloc"] = step_json(r.plan_alloc);
     if (r.backward_det.measured()) row["backward_deterministic"] = step_json(r.backward_det);
     if (r.device_bytes >= 0) row["device_bytes_in_use"] = r.device_bytes;
+    if (r.peak_bytes >= 0) row["step_peak_bytes"] = r.peak_bytes;
     j["results"].push_back(row);
   }
   return j.dump(2) + '\n';
@@ -278,6 +321,9 @@ int run_bench(const BenchOptions& o) {
     return run_bench_decode(o);
   }
   const Device dev = resolve_backend(o.backend);
+  if (o.memory_only && !dev.is_cuda())
+    invalid("--memory measures CUDA device memory: it needs --backend cuda (or auto on a machine with a GPU), got " +
+            to_string(dev));
   std::vector<int64_t> sizes;
   if (!o.sizes.empty()) sizes = parse_size_list(o.sizes, o.sizes_option);
   else if (dev.is_cuda()) sizes = {4096, 8192, 16384, 32768, 65536, 131072};
@@ -300,7 +346,7 @@ int run_bench(const BenchOptions& o) {
   std::vector<BenchRow> rows;
   for (int64_t n : sizes)
     for (Selection s : selections) {
-      rows.push_back(bench_one(topo, dev, n, s, repeats, run, o.seed, timer));
+      rows.push_back(bench_one(topo, dev, n, s, repeats, run, o.seed, timer, o.memory_only));
       progress(row_line(rows.back()));
       if (!o.csv_path.empty()) write_file_whole(o.csv_path, csv_text(rows));
       if (!o.json_path.empty()) write_file_whole(o.json_path, json_text(rows, dev, topo, repeats));
@@ -310,13 +356,13 @@ int run_bench(const BenchOptions& o) {
   // KL rates, the FP8 indexer's time (E4M3 copies of the same index vectors) and the tool's own
   // buffers.
   Table table({"tokens", "selection", "union8", "index ms", "index TF", "fp8 idx", "plan ms", "+alloc", "fwd ms", "fwd TF", "bwd ms",
-               "bwd TF", "bwd det", "kl ms", "kl TF", "GiB", "buffers"});
-  table.align_right({true, false, true, true, true, true, true, true, true, true, true, true, true, true, true, true, true});
+               "bwd TF", "bwd det", "kl ms", "kl TF", "peak GiB", "GiB", "buffers"});
+  table.align_right({true, false, true, true, true, true, true, true, true, true, true, true, true, true, true, true, true, true});
   for (const BenchRow& r : rows)
     table.add_row({std::to_string(r.tokens), to_string(r.selection), fixed(r.union8, 1), ms_cell(r.indexer),
                    tf_cell(r.indexer), ms_cell(r.indexer_fp8), ms_cell(r.plan), ms_cell(r.plan_alloc), ms_cell(r.forward), tf_cell(r.forward),
                    ms_cell(r.backward), tf_cell(r.backward), ms_cell(r.backward_det), ms_cell(r.kl), tf_cell(r.kl),
-                   gib_cell(r.device_bytes), format_bytes(double(r.buffer_bytes))});
+                   gib_cell(r.peak_bytes), gib_cell(r.device_bytes), format_bytes(double(r.buffer_bytes))});
   table.print(std::cout);
   const bool gpu = dev.is_cuda();
   std::cout << "\nTimes in ms, medians; "
@@ -328,9 +374,12 @@ int run_bench(const BenchOptions& o) {
                "'union8': mean number of distinct blocks selected by 8 consecutive tokens of one index head (windows "
                "past the first 16 blocks). "
             << (gpu ? "'plan': one workspace given to every plan of a size; '+alloc': the plan allocating its own. "
-                      "'bwd det': RunOptions::deterministic. 'GiB': device memory in use after the KL step (every buffer "
-                      "of the row and its plan alive; CUDA context included). "
-                    : "'+alloc', 'bwd det', 'GiB': GPU only (the CPU backend is always deterministic and its plan takes "
+                      "'bwd det': RunOptions::deterministic. 'peak GiB': the most device memory msa held during one layer "
+                      "step as msa.torch runs it (selection, a plan without scratch, then forward, backward and KL each on "
+                      "its own call_workspace_bytes), the row's inputs, outputs and gradients included. 'GiB': device "
+                      "memory in use after the timed KL step (every buffer of the row and its plan with a workspace for "
+                      "every call alive; CUDA context included). "
+                    : "'+alloc', 'bwd det', 'peak GiB', 'GiB': GPU only (the CPU backend is always deterministic and its plan takes "
                       "no workspace). ")
             << "'buffers': inputs, outputs, the plan" << (gpu ? " and its workspace" : "") << ".\n";
   if (!o.csv_path.empty()) std::cout << "wrote " << o.csv_path << "\n";

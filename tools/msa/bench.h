@@ -20,6 +20,7 @@ struct BenchOptions {
   uint64_t seed = 1;
   std::string json_path;          // also write the table as JSON here
   std::string csv_path;           // and as CSV here
+  bool memory_only = false;       // GPU: only the peak memory of a layer step, no timing
   bool decode = false;            // time decode steps (bench_decode.cpp) instead of training steps
   // Decode only (empty / 0: the defaults of bench_decode.cpp):
   std::string batches;            // "8,32,128"

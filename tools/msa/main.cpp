@@ -104,6 +104,10 @@ int main(int argc, char** argv) {
                       "Time decode steps instead: paged indexer, attention and the whole step per (batch, context, "
                       "queries per request, cache format), with GB/s and % of the device's copy bandwidth; --json "
                       "writes the rows");
+  CLI::Option* memory_opt = bench_cmd->add_flag(
+      "--memory", bench.memory_only,
+      "Training bench on a GPU: only each size's peak device memory of one layer step (selection, plan, forward, "
+      "backward, KL, each call on its own workspace as msa.torch runs them), no timing");
   const std::vector<CLI::Option*> decode_opts = {
       bench_cmd->add_option("--batches", bench.batches,
                             "--decode: requests per step, e.g. 8,32,128 (default: 8,32,128 on a GPU, 8 on the CPU)"),
@@ -247,6 +251,8 @@ int main(int argc, char** argv) {
       const bool prefill = prefill_opt->count() > 0;
       auto refuse = [](const std::string& message) { throw msa::Error(msa::ErrorKind::invalid_argument, message); };
       if (prefill && bench.decode) refuse("--prefill and --decode are two different benches: give one of them");
+      if ((prefill || bench.decode) && memory_opt->count() > 0)
+        refuse("--memory applies to the training bench only (not with --decode or --prefill)");
       for (const CLI::Option* opt : decode_opts)
         if (!bench.decode && opt->count() > 0) refuse(opt->get_name() + " applies to the decode bench (--decode) only");
       for (const CLI::Option* opt : prefill_opts)

@@ -1,6 +1,8 @@
 #include "step_timer.h"
 
+#include <algorithm>
 #include <chrono>
+#include <mutex>
 #include <cstdio>
 #include <vector>
 
@@ -157,6 +159,85 @@ double StepTimer::host_seconds(const std::function<void()>& work) const {
   work();
   sync();
   return seconds_since(start);
+}
+
+namespace {
+// The counters of PeakMemory's allocator. Static: memory it gave must come back to it after the
+// PeakMemory is gone (the allocator's context must outlive its allocations).
+struct MemoryCounter {
+  std::mutex mutex;
+  int64_t in_use = 0, peak = 0;
+};
+MemoryCounter& memory_counter() {
+  static MemoryCounter counter;
+  return counter;
+}
+
+#if MSA_WITH_CUDA
+void* counting_allocate(int64_t bytes, int device, void* stream, void* context) {
+  auto* c = static_cast<MemoryCounter*>(context);
+  int previous = 0;
+  MSA_TOOL_CUDA(cudaGetDevice(&previous));
+  MSA_TOOL_CUDA(cudaSetDevice(device));
+  void* ptr = nullptr;
+  const cudaError_t err = cudaMallocAsync(&ptr, size_t(bytes), static_cast<cudaStream_t>(stream));
+  MSA_TOOL_CUDA(cudaSetDevice(previous));
+  if (err != cudaSuccess) return nullptr;
+  std::lock_guard<std::mutex> lock(c->mutex);
+  c->in_use += bytes;
+  c->peak = std::max(c->peak, c->in_use);
+  return ptr;
+}
+
+void counting_deallocate(void* ptr, int64_t bytes, int device, void* stream, void* context) {
+  auto* c = static_cast<MemoryCounter*>(context);
+  int previous = 0;
+  if (cudaGetDevice(&previous) == cudaSuccess && cudaSetDevice(device) == cudaSuccess) {
+    cudaFreeAsync(ptr, static_cast<cudaStream_t>(stream));  // must not throw
+    cudaSetDevice(previous);
+  }
+  std::lock_guard<std::mutex> lock(c->mutex);
+  c->in_use -= bytes;
+}
+#endif
+}  // namespace
+
+PeakMemory::PeakMemory(Device device) {
+  if (!device.is_cuda()) return;
+#if MSA_WITH_CUDA
+  MemoryCounter& c = memory_counter();
+  {
+    std::lock_guard<std::mutex> lock(c.mutex);
+    c.peak = c.in_use;
+  }
+  DeviceAllocator a;
+  a.allocate = counting_allocate;
+  a.deallocate = counting_deallocate;
+  a.context = &c;
+  set_device_allocator(a);
+  active_ = true;
+#else
+  no_cuda();
+#endif
+}
+
+PeakMemory::~PeakMemory() {
+  if (active_) reset_device_allocator();
+}
+
+int64_t PeakMemory::in_use() const {
+  std::lock_guard<std::mutex> lock(memory_counter().mutex);
+  return memory_counter().in_use;
+}
+
+int64_t PeakMemory::peak() const {
+  std::lock_guard<std::mutex> lock(memory_counter().mutex);
+  return memory_counter().peak;
+}
+
+void PeakMemory::restart() {
+  std::lock_guard<std::mutex> lock(memory_counter().mutex);
+  memory_counter().peak = memory_counter().in_use;
 }
 
 int64_t device_memory_in_use(Device device) {

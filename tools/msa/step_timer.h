@@ -52,6 +52,24 @@ class StepTimer {
   void flush() const;
 };
 
+// The most device memory msa held at once: while a PeakMemory lives, every CUDA allocation of
+// the library and of the bench's buffers (all of them come from msa's device allocator) goes
+// through a counting allocator (cudaMallocAsync / cudaFreeAsync on the allocation's stream);
+// its destructor puts the built-in allocator back (memory it counted still comes back to it).
+// One at a time. Nothing on the CPU.
+class PeakMemory {
+ public:
+  explicit PeakMemory(Device device);
+  ~PeakMemory();
+  PeakMemory(const PeakMemory&) = delete;
+  PeakMemory& operator=(const PeakMemory&) = delete;
+  int64_t in_use() const;
+  int64_t peak() const;  // since construction or the last restart
+  void restart();        // the peak from the bytes in use now
+ private:
+  bool active_ = false;
+};
+
 // CUDA: bytes of device memory in use (total - free from cudaMemGetInfo: the CUDA context and
 // other processes included). -1 on the CPU.
 int64_t device_memory_in_use(Device device);
