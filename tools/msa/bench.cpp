@@ -53,13 +53,15 @@ struct BenchRow {
   int64_t peak_bytes = -1;    // GPU: the most msa held during one layer step (step_peak_bytes)
 };
 
-// GPU: the most device memory msa holds during one layer step as msa.torch runs it, the row's
-// inputs and outputs included: the selection, a plan without scratch (workspace_per_call),
-// then forward, backward and KL, each on its own call_workspace_bytes for its duration.
+// GPU: the most device memory msa holds during one layer step as msa.torch runs it: the row's
+// inputs, outputs and gradients (`resident`: the arena's bytes), and what the step allocates
+// (counted by PeakMemory for the step only, so that the timed steps keep the built-in
+// allocator): the selection, a plan without scratch (workspace_per_call), then forward,
+// backward and KL, each on its own call_workspace_bytes for its duration.
 int64_t step_peak_bytes(const Topology& topo, const PackedLayout& layout, StepBuffers& buf, const RunOptions& run,
-                        Device dev, StepTimer& timer, PeakMemory& memory) {
+                        Device dev, StepTimer& timer, int64_t resident) {
   timer.sync();
-  memory.restart();
+  PeakMemory memory(dev);
   select_blocks(topo, layout, buf.select_blocks_params(), run);
   PlanOptions per_call;
   per_call.workspace_per_call = true;
@@ -86,7 +88,7 @@ int64_t step_peak_bytes(const Topology& topo, const PackedLayout& layout, StepBu
     kl_backward(topo, layout, plan, p, run);
   }
   timer.sync();
-  return memory.peak();
+  return resident + memory.peak();
 }
 
 BenchRow bench_one(const Topology& topo, Device dev, int64_t tokens, Selection selection, int repeats, const RunOptions& run,
@@ -96,7 +98,6 @@ BenchRow bench_one(const Topology& topo, Device dev, int64_t tokens, Selection s
   const int Hq = topo.num_q_heads, Hkv = topo.num_kv_heads, Hi = topo.num_index_heads, D = topo.head_dim,
             Di = topo.index_head_dim;
   const bool gpu = dev.is_cuda();
-  PeakMemory memory(dev);  // counts from the row's first buffer on
   DeviceArena arena(dev);
 
   // Inputs: main tensors i.i.d.; index vectors by the chosen distribution.
@@ -140,7 +141,7 @@ BenchRow bench_one(const Topology& topo, Device dev, int64_t tokens, Selection s
   BenchRow row;
   row.tokens = T;
   row.selection = selection;
-  if (gpu) row.peak_bytes = step_peak_bytes(topo, layout, buf, run, dev, timer, memory);
+  if (gpu) row.peak_bytes = step_peak_bytes(topo, layout, buf, run, dev, timer, arena.bytes_allocated());
   if (memory_only) return row;
 
   // One workspace for every plan of the row, as a training loop keeps one (CUDA only): the

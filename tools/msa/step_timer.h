@@ -52,8 +52,8 @@ class StepTimer {
   void flush() const;
 };
 
-// The most device memory msa held at once: while a PeakMemory lives, every CUDA allocation of
-// the library and of the bench's buffers (all of them come from msa's device allocator) goes
+// The most device memory msa allocated at once: while a PeakMemory lives, every CUDA allocation
+// of the library and of msa Buffers (all of them come from msa's device allocator) goes
 // through a counting allocator (cudaMallocAsync / cudaFreeAsync on the allocation's stream);
 // its destructor puts the built-in allocator back (memory it counted still comes back to it).
 // One at a time. Nothing on the CPU.
