@@ -12,7 +12,6 @@ namespace {
 template <typename Part, typename Out>
 __global__ void merge_states_kernel(const Part* __restrict__ parts, const float* __restrict__ lse_parts, int64_t S,
                                     int64_t RH, int64_t D, Out* __restrict__ out, float* __restrict__ lse) {
-  griddep_wait();  // launched programmatically: the partials' writer (the previous kernel) has finished
   const int64_t rh = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
   if (rh >= RH) return;
   merge_row(parts, lse_parts, S, RH, D, rh, out, lse, int(threadIdx.x & 31));
@@ -23,11 +22,9 @@ void launch(const MergeStatesParams& p, cudaStream_t s) {
   const int64_t S = p.out_partials.shape[0], RH = p.out_partials.shape[1] * p.out_partials.shape[2],
                 D = p.out_partials.shape[3];
   if (RH == 0) return;
-  // Programmatic: behind decode attention, whose CTAs let it launch early, its CTAs wait on the
-  // device instead of being launched after the attention's last CTA ends.
-  launch_programmatic("merge_states_kernel", merge_states_kernel<Part, Out>, dim3(unsigned(grid_for(RH * 32, 256))),
-                      dim3(256), 0, s, p.out_partials.as<const Part>(), p.lse_partials.as<const float>(), S, RH, D,
-                      p.out.as<Out>(), p.lse.as<float>());
+  merge_states_kernel<Part, Out><<<grid_for(RH * 32, 256), 256, 0, s>>>(
+      p.out_partials.as<const Part>(), p.lse_partials.as<const float>(), S, RH, D, p.out.as<Out>(), p.lse.as<float>());
+  MSA_CUDA_CHECK_LAUNCH("merge_states_kernel");
 }
 
 }  // namespace

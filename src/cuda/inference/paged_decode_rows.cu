@@ -450,9 +450,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
   preload_page_table(a, sm.table, r0, nrows);
   griddep_wait();
-  // The split merge (merge_states, launched programmatically) waits for this whole grid: its
-  // CTAs may take their places now, beside these, and start when the last of these ends.
-  griddep_launch_dependents();
   // Pages in page order from 4 rows a tile (tiles of 1 or 2 rows: row by row measured as fast or
   // faster); NVFP4 tiles of long requests in rounds where their rows select apart (run 27: their
   // pages cost enough to repay the rounds; FP8 tiles and short requests lost 3-10 %). Both

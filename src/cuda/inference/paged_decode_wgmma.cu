@@ -668,7 +668,6 @@ __global__ void __launch_bounds__(DecodeShape<Consumers, F>::kThreads, 1)
   if (tid < kMaxTileRows) sm.row_position[tid] = tid < nrows ? a.positions[r0 + tid] : kNoRow;
   preload_page_table(a, sm.table, r0, nrows);
   griddep_wait();  // the selection (the previous kernel when it is the indexer's) and the inputs
-  griddep_launch_dependents();  // a programmatic next kernel waits for this whole grid anyway
   // The consumers' query tiles are requested first: behind the pages' TMA burst they would
   // wait for it (microseconds at small batches).
   const int wg = warp / 4, wt = tid % 128;

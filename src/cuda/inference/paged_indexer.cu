@@ -198,9 +198,6 @@ __global__ void __launch_bounds__(Shape::kThreads) index_scores_kernel(const Sco
   using Storage = ScoresStorage<Shape>;
   extern __shared__ uint8_t smem_raw[];
   Storage& smem = shared_storage<Storage>(smem_raw);
-  // The selection waits for this whole grid before it reads a score (griddep_wait), so it may
-  // be launched now: its CTAs then start the moment the last score CTA finishes.
-  griddep_launch_dependents();
   const uint32_t k_tile = smem_addr(&smem.k), q_tile = smem_addr(&smem.q);  // [128 tokens / kVectors, 128] bf16
   auto& partial = smem.partial;
 
@@ -324,7 +321,6 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
   using Storage = StreamStorage<MTiles>;
   extern __shared__ uint8_t smem_raw[];
   Storage& smem = shared_storage<Storage>(smem_raw);
-  griddep_launch_dependents();  // as in index_scores_kernel: the selection waits for the grid
   const uint32_t stage0 = smem_addr(&smem.stage[0]), q_tile = smem_addr(&smem.q);
   const uint32_t full0 = smem_addr(&smem.full[0]), empty0 = smem_addr(&smem.empty[0]);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -430,6 +426,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
       }
     }
   }
+  griddep_launch_dependents();  // the selection may start its launch
 }
 
 template <int MTiles, bool QFp8>
@@ -526,7 +523,6 @@ __global__ void __launch_bounds__(kPrefillThreads, 1)
   constexpr int kStageBytes = int(sizeof(Bf16Tile<kPageSize>));
   extern __shared__ uint8_t smem_raw[];
   Storage& smem = shared_storage<Storage>(smem_raw);
-  griddep_launch_dependents();  // as in index_scores_kernel: the selection waits for the grid
   const uint32_t stage0 = smem_addr(&smem.stage[0]), q_tile = smem_addr(&smem.q);
   const uint32_t full0 = smem_addr(&smem.full[0]), empty0 = smem_addr(&smem.empty[0]);
   const uint32_t raw_full0 = smem_addr(&smem.raw_full[0]), raw_empty0 = smem_addr(&smem.raw_empty[0]);
@@ -670,6 +666,7 @@ __global__ void __launch_bounds__(kPrefillThreads, 1)
     }
     seg = sg.end;
   }
+  griddep_launch_dependents();  // the selection may start its launch
 }
 
 template <bool QFp8, bool KFp8>
@@ -856,9 +853,6 @@ __global__ void __launch_bounds__(kThreads) select_kernel(const SelectArgs a) {
   // The plan's positions are not a kernel's output: read while the score kernel finishes.
   const int32_t pos = in_range ? a.positions[row] : -1;
   griddep_wait();  // the page scores (launched programmatically after the score kernel)
-  // The attention waits for this whole grid before it reads a selection: its CTAs may start
-  // now and do their setup (barriers, page-table row) while the selection runs.
-  griddep_launch_dependents();
   if (!in_range) return;
   const int g = int(item % a.hi);
   const int64_t nvis = pos < 0 ? 0 : pos / kPageSize + 1;
@@ -890,6 +884,7 @@ __global__ void __launch_bounds__(kThreads) select_kernel(const SelectArgs a) {
   for (int64_t b = local_begin + lane; b < nvis; b += 32) out[n + (b - local_begin)] = int32_t(b);
   n += int(nvis - local_begin);
   for (int s = n + lane; s < a.topk; s += 32) out[s] = -1;
+  griddep_launch_dependents();  // the attention may start its launch
 }
 
 // Scores of `history` logical pages for `tiles` tiles of rows. Runs of pages per CTA: as long
