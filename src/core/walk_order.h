@@ -43,33 +43,16 @@ inline int forward_chunk_queries(const PackedLayout& L) {
 
 // The forward's partial outputs (one per (query, head, selected block): ~269 KB a query with
 // 64 heads) are held for one window of its walk at a time: the window's tasks, then its merge,
-// then the next window in the same space. A window is whole chunks of the walk, at least
-// kForwardWindowMin queries (each window costs a launch pair and a wave's tail: ≈ 27 µs on the
-// H200, run 43) and at most kForwardWindows windows a call: 16k tokens take 4 windows of 4096
-// queries (1.1 GB of partials instead of 4.4), 128k 16 of 8192 (2.2 GB instead of 35). Without
-// a walk the call is one window of every query.
+// then the next window in the same space. A window is whole chunks of the walk, at least one,
+// and at most kForwardWindows windows a call (each costs a launch pair and a wave's tail): at
+// 16k tokens 8 windows of 2048 queries (0.55 GB of partials instead of 4.4), at 128k 16 of
+// 8192 (2.2 GB instead of 35). Without a walk (chunk 0) the call is one window of every query.
 inline constexpr int64_t kForwardWindows = 16;
-inline constexpr int64_t kForwardWindowMin = 4096;
 
 inline int64_t forward_window_queries(int64_t total_q, int chunk) {
   if (chunk <= 0 || total_q <= chunk) return total_q;
   const int64_t chunks = (total_q + chunk - 1) / chunk;
-  const int64_t least = (kForwardWindowMin + chunk - 1) / chunk * chunk;
-  const int64_t window = std::max(least, (chunks + kForwardWindows - 1) / kForwardWindows * chunk);
-  return std::min(window, total_q);
-}
-
-// The chunk the forward walks by: forward_chunk_queries' where it gives one; else, for a layout
-// of more than kForwardWindowedQueries queries (a 256k-token document gives its key blocks only
-// 16 queries a 2048-query chunk), chunks as large as its windows, so that the forward still
-// holds one window's partials at a time (4.4 GB at 256k tokens instead of 71) at the price of
-// loading each key block once per window. 0: the schedule's own order, one window.
-inline constexpr int64_t kForwardWindowedQueries = 32768;
-
-inline int forward_walk_chunk(const PackedLayout& L) {
-  const int chunk = forward_chunk_queries(L);
-  if (chunk > 0 || L.total_q() <= kForwardWindowedQueries) return chunk;
-  return int(forward_window_queries(L.total_q(), kForwardChunkMin));
+  return (chunks + kForwardWindows - 1) / kForwardWindows * chunk;
 }
 
 // The backward (default mode: fp32 dQ reductions) walks its 128-query chunk items by windows
