@@ -322,7 +322,7 @@ bench_files)
   # The table, CSV and JSON at a tiny size: the columns of the training benchmark, GPU-only ones
   # marked on the CPU ('-' in the table, empty in the CSV, absent from the JSON).
   expect 0 '' "$msa" bench --backend cpu --tokens 256 --tp 4 --reps 1 --selection both --out bench.csv --json bench.json
-  header='^ *tokens +selection +union8 +index ms +index TF +fp8 idx +plan ms +\+alloc +fwd ms +fwd TF +bwd ms +bwd TF +bwd det +kl ms +kl TF +GiB +buffers$'
+  header='^ *tokens +selection +union8 +index ms +index TF +fp8 idx +plan ms +\+alloc +fwd ms +fwd TF +bwd ms +bwd TF +bwd det +kl ms +kl TF +peak GiB +GiB +buffers$'
   grep -qE "$header" stdout.txt || fail "the table header is not /$header/"
   [[ $(sed -n '/^ *tokens/,$p' stdout.txt | grep -cE '^ *256 +(independent|coherent) ') == 2 ]] || fail "the table lacks its two rows"
   grep -qE '^ *256 +independent +[0-9.]+ +[0-9.]+ +[0-9.e-]+ +- +[0-9.]+ +- +[0-9.]+ ' stdout.txt || fail "row cells ('-' for fp8 idx and +alloc on the CPU)"
@@ -343,7 +343,7 @@ bench_files)
   done
   [[ $(grep -c '"kl": {' bench.json) == 2 && $(grep -c '"useful_flops"' bench.json) == 8 ]] ||
     fail "bench.json: FLOPs for indexer, forward, backward and KL of both rows"
-  for key in indexer_fp8 plan_alloc backward_deterministic device_bytes_in_use device_name; do
+  for key in indexer_fp8 plan_alloc backward_deterministic device_bytes_in_use step_peak_bytes device_name; do
     grep -q "\"$key\":" bench.json && fail "bench.json has the GPU-only \"$key\" on the CPU"
   done
   ls | grep -q '\.tmp$' && fail "a temporary file was left behind"
