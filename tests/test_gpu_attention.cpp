@@ -61,17 +61,17 @@ TEST(GpuForward, RealShapes) {
 }
 
 // The forward holds the partials of one window of its walk at a time (src/core/walk_order.h):
-// 7000 queries are 4 windows of 2048. Every query selects its 16 most recent blocks, except
-// four far apart (windows 1, 1, 2, 3) that take block 0 instead of their oldest: the last item
+// 13000 queries are 7 windows of 2048. Every query selects its 16 most recent blocks, except
+// four far apart (windows 1, 2, 4, 6) that take block 0 instead of their oldest: the last item
 // of block 0's row holds those four, and is computed again in each later window it reaches.
 TEST(GpuForward, WindowsAndItemsThatStraddleThem) {
   MSA_REQUIRE_GPU();
   MSA_SEEDED_RNG(rng);
   const Topology topo;
-  const PackedLayout L = layout_of({7000});
+  const PackedLayout L = layout_of({13000});
   const int64_t T = L.total_q();
   ASSERT_EQ(detail::forward_window_queries(T, detail::forward_chunk_queries(L)), 2048);
-  const std::vector<int64_t> far = {2100, 3000, 4300, 6500};
+  const std::vector<int64_t> far = {2100, 5000, 9000, 12500};
   HostTensor topk(DType::i32, {topo.num_index_heads, T, topo.topk});
   int32_t* ids = topk.data<int32_t>();
   for (int g = 0; g < topo.num_index_heads; ++g)

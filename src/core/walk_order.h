@@ -44,13 +44,16 @@ inline int forward_chunk_queries(const PackedLayout& L) {
 // The forward's partial outputs (one per (query, head, selected block): ~269 KB a query with
 // 64 heads) are held for one window of its walk at a time: the window's tasks, then its merge,
 // then the next window in the same space. A window is whole chunks of the walk, at least one,
-// and at most kForwardWindows windows a call (each costs a launch pair and a wave's tail): at
-// 16k tokens 8 windows of 2048 queries (0.55 GB of partials instead of 4.4), at 128k 16 of
-// 8192 (2.2 GB instead of 35). Without a walk (chunk 0) the call is one window of every query.
+// and at most kForwardWindows windows a call: at 16k tokens 8 windows of 2048 queries (0.55 GB
+// of partials instead of 4.4), at 128k 16 of 8192 (2.2 GB instead of 35). Each window costs a
+// launch pair and a wave's tail (≈ 27 µs on the H200, run 43), so layouts of up to
+// kForwardWindowedAbove queries (2.2 GB of partials) keep one window, as does a layout
+// without a walk (chunk 0).
 inline constexpr int64_t kForwardWindows = 16;
+inline constexpr int64_t kForwardWindowedAbove = 8192;
 
 inline int64_t forward_window_queries(int64_t total_q, int chunk) {
-  if (chunk <= 0 || total_q <= chunk) return total_q;
+  if (chunk <= 0 || total_q <= std::max<int64_t>(chunk, kForwardWindowedAbove)) return total_q;
   const int64_t chunks = (total_q + chunk - 1) / chunk;
   return (chunks + kForwardWindows - 1) / kForwardWindows * chunk;
 }
