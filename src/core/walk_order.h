@@ -58,6 +58,12 @@ inline int64_t forward_window_queries(int64_t total_q, int chunk) {
   return (chunks + kForwardWindows - 1) / kForwardWindows * chunk;
 }
 
+// The same for `L` and its walk: what the plan's window tables and the forward's workspace are
+// both sized by.
+inline int64_t forward_window_queries(const PackedLayout& L) {
+  return forward_window_queries(L.total_q(), forward_chunk_queries(L));
+}
+
 // The backward (default mode: fp32 dQ reductions) walks its 128-query chunk items by windows
 // of kBackwardWindow packed queries, so that a window's dQ accumulator lines (1024 x 16 heads
 // x 512 B = 8 MB a KV head), Q and dO stay in L2 while the window's chunks reduce into them.

@@ -1049,7 +1049,6 @@ void launch_tasks(const ForwardArgs& a, const CUtensorMap& q_map, const CUtensor
 void set_forward_windows(ForwardLaunch& f, const PlanState& state) {
   if (state.forward_windows <= 1) return;
   f.window = state.forward_window;
-  f.windows = state.forward_windows;
   f.window_begin = i32(state.window_begin);
   f.straddle_begin = i32(state.straddle_begin);
   f.straddle_items = i32(state.straddle_items);
@@ -1076,11 +1075,11 @@ void run_sparse_forward(const ForwardLaunch& f, cudaStream_t s) {
   a.Hkv = f.Hkv;
   a.nsub = int(ceil_div(f.q_per_cta, kQueriesPerTask));
   a.scale_log2 = f.softmax_scale * math::kLog2e;
-  const bool windowed = f.windows > 1;
-  detail::require(!windowed || (f.order != nullptr && f.window > 0 && f.window_begin && f.straddle_begin &&
-                                f.straddle_items && f.windows == ceil_div(Tq, f.window)),
+  a.window = f.window > 0 && f.window < Tq ? f.window : Tq;
+  const int64_t windows = ceil_div(Tq, a.window);
+  const bool windowed = windows > 1;
+  detail::require(!windowed || (f.order != nullptr && f.window_begin && f.straddle_begin && f.straddle_items),
                   "the forward's windows need the plan's walking order and window tables");
-  a.window = windowed ? f.window : Tq;
   if (windowed) {
     a.window_begin = f.window_begin;
     a.straddle_begin = f.straddle_begin;
@@ -1097,7 +1096,7 @@ void run_sparse_forward(const ForwardLaunch& f, cudaStream_t s) {
   }
   const int grid = int(std::min<int64_t>(max_tasks, sm_count()));
   const float* v_scale = f.kv.v_tensor_scale;  // quantised sources only (nullptr otherwise)
-  for (int w = 0; w < (windowed ? f.windows : 1); ++w) {
+  for (int w = 0; w < windows; ++w) {
     a.window_index = w;
     a.q_lo = w * a.window;
     a.q_hi = std::min(Tq, a.q_lo + a.window);

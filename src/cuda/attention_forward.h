@@ -33,7 +33,6 @@ struct ForwardLaunch {
   // The windows of the walk (PlanState::forward_window): the partials of one window's queries
   // at a time. One window (the default) is every query.
   int64_t window = 0;                       // queries a window: the partial scratch's rows (0: Tq)
-  int windows = 1;
   const int32_t* window_begin = nullptr;    // [windows + 1]: window w's own items in `order`
   const int32_t* straddle_begin = nullptr;  // [windows + 1]: its straddling items in straddle_items
   const int32_t* straddle_items = nullptr;

@@ -889,15 +889,15 @@ void upload_layout(const Topology& topo, const PackedLayout& L, SparsePlan& plan
   for (const DocInfo& d : docs) docs_flat.insert(docs_flat.end(), {d.q_start, d.q_len, d.k_start, d.k_len});
   state.num_documents = B;
   state.forward_chunk = detail::forward_chunk_queries(L);
-  state.forward_window = detail::forward_window_queries(L.total_q(), state.forward_chunk);
+  state.forward_window = detail::forward_window_queries(L);
   state.forward_windows = state.forward_window > 0 ? int(ceil_div(L.total_q(), state.forward_window)) : 1;
+  state.backward_window = with_chunks ? detail::backward_window_queries(L) : 0;
+  state.schedule_capacity = plan.schedule.view().shape[0];
   // An item of q_per_cta queries straddles at most q_per_cta - 1 later windows.
   state.straddle_capacity =
       state.forward_windows > 1
-          ? plan.schedule.view().shape[0] * std::min<int64_t>(plan.q_per_cta - 1, state.forward_windows - 1)
+          ? state.schedule_capacity * std::min<int64_t>(plan.q_per_cta - 1, state.forward_windows - 1)
           : 0;
-  state.backward_window = with_chunks ? detail::backward_window_queries(L) : 0;
-  state.schedule_capacity = plan.schedule.view().shape[0];
   state.chunk_capacity = with_chunks ? chunk_capacity(topo, L) : 0;
   const int64_t per_row = with_chunks ? std::max<int64_t>(Hkv * rows, 1) : 1;
   detail::BufferPack buffers;

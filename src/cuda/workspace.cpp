@@ -75,7 +75,7 @@ int64_t chunk_capacity(const Topology& topo, const PackedLayout& L) {
 WorkspaceLayout workspace_layout(const Topology& topo, const PackedLayout& L, WorkspaceCall call, bool deterministic) {
   const WorkspaceShape n{.total_q = L.total_q(), .total_k = L.total_k(), .num_kv_heads = topo.num_kv_heads,
                          .total_rows = L.total_rows(topo.block_size), .chunk_capacity = chunk_capacity(topo, L),
-                         .forward_window = detail::forward_window_queries(L.total_q(), detail::forward_chunk_queries(L))};
+                         .forward_window = detail::forward_window_queries(L)};
   return workspace_layout(n, call, deterministic);
 }
 
