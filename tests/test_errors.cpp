@@ -368,10 +368,10 @@ TEST_F(Errors, PlanWorkspace) {
   auto bytes_of = [&](WorkspaceCall call, bool det) { return call_workspace_bytes(topo, L, Device::cuda(0), call, det); };
   EXPECT_EQ(bytes_of(WorkspaceCall::forward, false), rounded(16 * Tq * Hq * 128 * 2) + rounded(16 * Tq * Hq * 8));
   EXPECT_EQ(bytes_of(WorkspaceCall::forward, true), bytes_of(WorkspaceCall::forward, false));
-  // A long document's forward holds the partials of one 2048-query window of its walk at a
-  // time (src/core/walk_order.h): 0.55 GB at 16k tokens instead of 4.4.
+  // A long document's forward holds the partials of one 4096-query window of its walk at a
+  // time (src/core/walk_order.h): 1.1 GB at 16k tokens instead of 4.4.
   EXPECT_EQ(call_workspace_bytes(topo, layout_of({16384}), Device::cuda(0), WorkspaceCall::forward, false),
-            rounded(16 * 2048 * Hq * 128 * 2) + rounded(16 * 2048 * Hq * 8));
+            rounded(16 * 4096 * Hq * 128 * 2) + rounded(16 * 4096 * Hq * 8));
   EXPECT_EQ(bytes_of(WorkspaceCall::backward, false), rounded(Tq * Hq * 4) + rounded(Tq * Hq * 128 * 2) +
                                                           rounded(Tq * Hq * 128 * 4) + 2 * rounded(Tk * Hkv * 128 * 4));
   EXPECT_EQ(bytes_of(WorkspaceCall::kl_backward, false), rounded(Tq * Hkv * 128 * 4) + rounded(Tk * 128 * 4));

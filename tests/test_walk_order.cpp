@@ -34,16 +34,24 @@ TEST(ForwardWalk, NoQueriesKeepTheScheduleOrder) {
 
 TEST(ForwardWindows, PartialsOfAFewChunksAtATime) {
   using detail::forward_window_queries;
-  EXPECT_EQ(forward_window_queries(16384, 2048), 2048);    // 8 windows
+  EXPECT_EQ(forward_window_queries(16384, 2048), 4096);    // 4 windows
   EXPECT_EQ(forward_window_queries(131072, 2048), 8192);   // 16 windows of 4 chunks
   EXPECT_EQ(forward_window_queries(262144, 2048), 16384);
-  EXPECT_EQ(forward_window_queries(13000, 2048), 2048);    // 7 windows, the last of 712 queries
+  EXPECT_EQ(forward_window_queries(13000, 2048), 4096);    // 4 windows, the last of 712 queries
   EXPECT_EQ(forward_window_queries(33000, 2048), 4096);    // 17 chunks: 9 windows of 2
   EXPECT_EQ(forward_window_queries(8192, 2048), 8192);     // up to 8192 queries: one window
   EXPECT_EQ(forward_window_queries(7000, 2048), 7000);
   EXPECT_EQ(forward_window_queries(1500, 2048), 1500);
   EXPECT_EQ(forward_window_queries(50000, 0), 50000);      // no walk: one window
   EXPECT_EQ(forward_window_queries(0, 0), 0);
+}
+
+TEST(ForwardWindows, LongLayoutsWithoutAWalkStillWalkByWindows) {
+  using detail::forward_walk_chunk;
+  EXPECT_EQ(forward_walk_chunk(layout_of({131072})), 2048);    // the rule's chunk
+  EXPECT_EQ(forward_walk_chunk(layout_of({262144})), 16384);   // 16 queries a block: chunks of a window
+  EXPECT_EQ(forward_walk_chunk(layout_of({40000}, {400000})), 4096);
+  EXPECT_EQ(forward_walk_chunk(layout_of({16384}, {194560})), 0);  // few queries: one window
 }
 
 TEST(BackwardWalk, LongDocumentsWalkByWindows) {

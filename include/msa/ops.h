@@ -63,7 +63,7 @@ struct PlanOptions {
   // of call_workspace_bytes for that call. Kept between calls, such a plan costs only its CSR
   // and schedule (a plan's own scratch at 16k tokens, 64 heads, is ~5.8 GB: the deterministic
   // backward's), so one plan can serve a layer's forward, backward and KL, each call holding
-  // only its own scratch for its duration (forward ~0.55 GB, default backward ~0.9 GB, default
+  // only its own scratch for its duration (forward ~1.1 GB, default backward ~0.9 GB, default
   // KL ~42 MB at 16k). Not with `workspace`.
   bool workspace_per_call = false;
 };
@@ -74,7 +74,7 @@ int64_t plan_workspace_bytes(const Topology& topo, const PackedLayout& layout, D
 
 // The call a workspace passed in a call's params serves. Each call needs only its own regions:
 // the forward its partial outputs (~264 KB a query token with 64 heads, for the queries of one
-// window at a time: 2048 of them at 16k tokens, at most 1/16 of a long document), the default-mode
+// window at a time: 4096 of them at 16k tokens, at most 1/16 of a long document), the default-mode
 // backward and KL their fp32 accumulators (~50 KB and ~2.5 KB), the deterministic modes their
 // per-edge and per-chunk partials; a plan's own workspace (plan_workspace_bytes) is the largest.
 enum class WorkspaceCall { forward, backward, kl_backward };

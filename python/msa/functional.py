@@ -103,7 +103,7 @@ def call_workspace_bytes(layout, call, topology=None, *, deterministic=False, nu
     ``deterministic`` as the call runs) uses on ``device`` (0 on the CPU): the least a
     ``workspace=`` passed to that call must hold, and less than ``plan_workspace_bytes`` (which
     serves every call). The forward's partial outputs are the largest part (~264 KB a query
-    token with 64 heads, held for one window of queries at a time: 2048 at 16k tokens, at most
+    token with 64 heads, held for one window of queries at a time: 4096 at 16k tokens, at most
     1/16 of a long document); the default backward needs ~50 KB a token, the default KL ~2.5 KB."""
     return _calls.call_workspace_bytes(_topology(topology, num_q_heads, num_kv_heads), layout, call, deterministic,
                                        device)

@@ -43,25 +43,40 @@ inline int forward_chunk_queries(const PackedLayout& L) {
 
 // The forward's partial outputs (one per (query, head, selected block): ~269 KB a query with
 // 64 heads) are held for one window of its walk at a time: the window's tasks, then its merge,
-// then the next window in the same space. A window is whole chunks of the walk, at least one,
-// and at most kForwardWindows windows a call: at 16k tokens 8 windows of 2048 queries (0.55 GB
-// of partials instead of 4.4), at 128k 16 of 8192 (2.2 GB instead of 35). Each window costs a
-// launch pair and a wave's tail (≈ 27 µs on the H200, run 43), so layouts of up to
-// kForwardWindowedAbove queries (2.2 GB of partials) keep one window, as does a layout
-// without a walk (chunk 0).
+// then the next window in the same space. A window is whole chunks of the walk, at least
+// kForwardWindowMin queries, and at most kForwardWindows windows a call: at 16k tokens 4
+// windows of 4096 queries (1.1 GB of partials instead of 4.4), at 128k 16 of 8192 (2.2 GB
+// instead of 35). Each window costs a launch pair and a wave's tail (≈ 27 µs on the H200, run
+// 43; 4096-query windows halve the count at 16k), so layouts of up to kForwardWindowedAbove
+// queries (2.2 GB of partials) keep one window, as does a layout without a walk (chunk 0).
 inline constexpr int64_t kForwardWindows = 16;
 inline constexpr int64_t kForwardWindowedAbove = 8192;
+inline constexpr int64_t kForwardWindowMin = 4096;
 
 inline int64_t forward_window_queries(int64_t total_q, int chunk) {
   if (chunk <= 0 || total_q <= std::max<int64_t>(chunk, kForwardWindowedAbove)) return total_q;
   const int64_t chunks = (total_q + chunk - 1) / chunk;
-  return (chunks + kForwardWindows - 1) / kForwardWindows * chunk;
+  const int64_t least = (kForwardWindowMin + chunk - 1) / chunk * chunk;
+  return std::min(total_q, std::max(least, (chunks + kForwardWindows - 1) / kForwardWindows * chunk));
+}
+
+// The chunk the forward walks by: forward_chunk_queries' where it gives one; else, for a layout
+// of more than kForwardWindowedQueries queries (a 256k-token document gives its key blocks only
+// 16 queries a 2048-query chunk), chunks as large as its windows, so that the forward still
+// holds one window's partials at a time (4.4 GB at 256k tokens instead of 71) at the price of
+// loading each key block once per window. 0: the schedule's own order, one window.
+inline constexpr int64_t kForwardWindowedQueries = 32768;
+
+inline int forward_walk_chunk(const PackedLayout& L) {
+  const int chunk = forward_chunk_queries(L);
+  if (chunk > 0 || L.total_q() <= kForwardWindowedQueries) return chunk;
+  return int(forward_window_queries(L.total_q(), kForwardChunkMin));
 }
 
 // The same for `L` and its walk: what the plan's window tables and the forward's workspace are
 // both sized by.
 inline int64_t forward_window_queries(const PackedLayout& L) {
-  return forward_window_queries(L.total_q(), forward_chunk_queries(L));
+  return forward_window_queries(L.total_q(), forward_walk_chunk(L));
 }
 
 // The backward (default mode: fp32 dQ reductions) walks its 128-query chunk items by windows

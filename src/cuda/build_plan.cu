@@ -888,7 +888,7 @@ void upload_layout(const Topology& topo, const PackedLayout& L, SparsePlan& plan
   std::vector<int32_t> docs_flat;
   for (const DocInfo& d : docs) docs_flat.insert(docs_flat.end(), {d.q_start, d.q_len, d.k_start, d.k_len});
   state.num_documents = B;
-  state.forward_chunk = detail::forward_chunk_queries(L);
+  state.forward_chunk = detail::forward_walk_chunk(L);
   state.forward_window = detail::forward_window_queries(L);
   state.forward_windows = state.forward_window > 0 ? int(ceil_div(L.total_q(), state.forward_window)) : 1;
   state.backward_window = with_chunks ? detail::backward_window_queries(L) : 0;

@@ -39,7 +39,7 @@ class _PlanCache:
     stream. Any other call builds its own plan, as before. On CUDA the plans are built with
     ``workspace_per_call``: a kept plan costs its CSR and schedule only (its scratch would
     otherwise stay allocated from a layer's forward to its backward), and each op takes only
-    its own call's scratch (``call_workspace_bytes``: at 16k tokens ~0.55 GB for the forward,
+    its own call's scratch (``call_workspace_bytes``: at 16k tokens ~1.1 GB for the forward,
     ~0.9 GB for the backward, ~42 MB for the KL) for its own duration."""
 
     def __init__(self):
