@@ -10,7 +10,7 @@ many plans the step built (msa.torch's plan cache, where the package has one), t
 forward keeps for the backward (what each layer of a model holds until its backward) and the
 step's peak, both above the inputs.
 
-Usage: python bench/torch_step.py [--seqlens 4096 16384] [--selection independent] [--profile] [--json out.json]
+Usage: python bench/torch_step.py [--seqlens 4096 16384] [--selection independent] [--profile] [--no-dense] [--json out.json]
 Requires an NVIDIA GPU, PyTorch with CUDA and msa built with its CUDA backend.
 """
 
@@ -31,7 +31,7 @@ def plans_built():
     return getattr(cache, "builds", None)
 
 
-def run(t, coherent, repeats, gen, profile=False):
+def run(t, coherent, repeats, gen, profile=False, dense=True):
     cu = torch.tensor([0, t], dtype=torch.int32)  # layout metadata: on the host
     leaf = lambda x: x.detach().requires_grad_()  # noqa: E731
     g = lambda *s: (torch.randn(*s, generator=gen, device="cuda") * 0.2).bfloat16()  # noqa: E731
@@ -67,14 +67,16 @@ def run(t, coherent, repeats, gen, profile=False):
     if profile:
         print_profile(msa_step, t)
 
-    dq, dk, dv = (x.detach().transpose(0, 1)[None].contiguous().requires_grad_() for x in (q, k, v))
-    ddo = dout.transpose(0, 1)[None].contiguous()
+    dense_ms = None
+    if dense:
+        dq, dk, dv = (x.detach().transpose(0, 1)[None].contiguous().requires_grad_() for x in (q, k, v))
+        ddo = dout.transpose(0, 1)[None].contiguous()
 
-    def dense_step(_):
-        out = sdpa_cudnn(dq, dk, dv)
-        out.backward(ddo)
+        def dense_step(_):
+            out = sdpa_cudnn(dq, dk, dv)
+            out.backward(ddo)
 
-    dense_ms = try_run("cuDNN dense", lambda: time_ms(dense_step, 1, repeats))
+        dense_ms = try_run("cuDNN dense", lambda: time_ms(dense_step, 1, repeats))
     return dict(T=t, selection="coherent" if coherent else "independent", msa_step_ms=msa_ms,
                 dense_fwd_bwd_ms=dense_ms, plans_built_per_step=builds,
                 held_for_backward_gib=held / 2**30, step_peak_gib=peak / 2**30,
@@ -107,6 +109,7 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default=None, help="where to write the records")
     p.add_argument("--profile", action="store_true", help="also print the step's kernels (torch.profiler)")
+    p.add_argument("--no-dense", action="store_true", help="skip the cuDNN dense peer (its time grows with T^2)")
     args = p.parse_args()
     if not torch.cuda.is_available():
         sys.exit("torch_step.py needs a CUDA GPU")
@@ -116,7 +119,7 @@ def main():
           "cuDNN dense fwd+bwd (ms) | dense / msa |")
     print("|---|---|---|---|---|---|---|---|")
     for t in args.seqlens:
-        r = run(t, args.selection == "coherent", args.repeats, gen, args.profile)
+        r = run(t, args.selection == "coherent", args.repeats, gen, args.profile, not args.no_dense)
         records.append(r)
         f = lambda x, fmt: "—" if x is None else format(x, fmt)  # noqa: E731
         print(f"| {t} | {r['selection']} | {f(r['msa_step_ms'], '.3f')} | {f(r['plans_built_per_step'], 'd')} | "
