@@ -60,6 +60,23 @@ TEST(GpuForward, RealShapes) {
   }
 }
 
+// The selection of the window tests, for a one-document layout: every query its 16 most recent
+// visible blocks, except the queries in `far`, which take block 0 instead of their oldest (the
+// last item of block 0's row then holds queries of windows far apart).
+HostTensor recent_blocks_and_far_ones(const Topology& topo, const PackedLayout& L, const std::vector<int64_t>& far) {
+  const int64_t T = L.total_q(), prefix = L.total_k() - T;
+  HostTensor topk(DType::i32, {topo.num_index_heads, T, topo.topk});
+  int32_t* ids = topk.data<int32_t>();
+  for (int g = 0; g < topo.num_index_heads; ++g)
+    for (int64_t q = 0; q < T; ++q) {
+      const int32_t nvis = int32_t((prefix + q) / 128 + 1), first = std::max(0, nvis - 16);
+      int32_t* row = ids + (g * T + q) * 16;
+      for (int s = 0; s < 16; ++s) row[s] = first + s < nvis ? first + s : -1;
+      if (std::find(far.begin(), far.end(), q) != far.end()) row[0] = 0;
+    }
+  return topk;
+}
+
 // The forward holds the partials of one window of its walk at a time (src/core/walk_order.h):
 // 13000 queries are 4 windows of 4096. Every query selects its 16 most recent blocks, except
 // four far apart (windows 0, 1, 2, 3) that take block 0 instead of their oldest: the last item
@@ -69,18 +86,8 @@ TEST(GpuForward, WindowsAndItemsThatStraddleThem) {
   MSA_SEEDED_RNG(rng);
   const Topology topo;
   const PackedLayout L = layout_of({13000});
-  const int64_t T = L.total_q();
-  ASSERT_EQ(detail::forward_window_queries(T, detail::forward_walk_chunk(L)), 4096);
-  const std::vector<int64_t> far = {2100, 5000, 9000, 12500};
-  HostTensor topk(DType::i32, {topo.num_index_heads, T, topo.topk});
-  int32_t* ids = topk.data<int32_t>();
-  for (int g = 0; g < topo.num_index_heads; ++g)
-    for (int64_t q = 0; q < T; ++q) {
-      const int32_t nvis = int32_t(q / 128 + 1), first = std::max(0, nvis - 16);
-      int32_t* row = ids + (g * T + q) * 16;
-      for (int s = 0; s < 16; ++s) row[s] = first + s < nvis ? first + s : -1;
-      if (std::find(far.begin(), far.end(), q) != far.end()) row[0] = 0;
-    }
+  ASSERT_EQ(detail::forward_window_queries(L), 4096);
+  HostTensor topk = recent_blocks_and_far_ones(topo, L, {2100, 5000, 9000, 12500});
   check_forward_against_cpu(rng, topo, L, DType::f32, 8, topk);
   check_forward_against_cpu(rng, topo, L, DType::bf16, 32, std::move(topk));  // items of 32: 4 tasks each
 }
@@ -94,20 +101,10 @@ TEST(GpuForward, LongLayoutsWithoutARuleChunkWalkByWindows) {
   MSA_SEEDED_RNG(rng);
   const Topology topo = Topology::minimax_m3(4);  // 16 / 1 heads: the CPU reference stays small
   const PackedLayout L = layout_of({33000}, {140000});
-  const int64_t T = L.total_q(), prefix = L.total_k() - T;
   ASSERT_EQ(detail::forward_chunk_queries(L), 0);
   ASSERT_EQ(detail::forward_walk_chunk(L), 4096);
   ASSERT_EQ(detail::forward_window_queries(L), 4096);
-  const std::vector<int64_t> far = {100, 4100, 20000, 32999};
-  HostTensor topk(DType::i32, {topo.num_index_heads, T, topo.topk});
-  int32_t* ids = topk.data<int32_t>();
-  for (int g = 0; g < topo.num_index_heads; ++g)
-    for (int64_t q = 0; q < T; ++q) {
-      const int32_t nvis = int32_t((prefix + q) / 128 + 1), first = std::max(0, nvis - 16);
-      int32_t* row = ids + (g * T + q) * 16;
-      for (int s = 0; s < 16; ++s) row[s] = first + s < nvis ? first + s : -1;
-      if (std::find(far.begin(), far.end(), q) != far.end()) row[0] = 0;
-    }
+  HostTensor topk = recent_blocks_and_far_ones(topo, L, {100, 4100, 20000, 32999});
   check_forward_against_cpu(rng, topo, L, DType::bf16, 8, std::move(topk));
 }
 
