@@ -256,6 +256,37 @@ TEST_F(Errors, MisalignedCudaForwardInputs) {
   }
 }
 
+// The CUDA indexer, backward and KL backward copy rows of their inputs with TMA or 16-byte
+// asynchronous copies: each such input is refused, named, when a row is not 16-byte aligned.
+TEST_F(Errors, MisalignedCudaTrainingInputs) {
+  SparsePlan cuda_plan = plan;
+  cuda_plan.device = Device::cuda(0);
+  auto misalign = [](TensorView& t) { t.data = static_cast<char*>(t.data) + 2; };
+  auto expect_misaligned = [&](const std::function<void()>& call, const std::string& name) {
+    expect_rejected(call, {name + " on CUDA must have every row start at a 16-byte aligned address", "offset 2 mod 16"});
+  };
+  for (const std::string name : {"index_q", "index_k"}) {
+    auto p = select_params();
+    for (TensorView* t : {&p.index_q, &p.index_k, &p.topk, &p.selected_lse}) t->device = Device::cuda(0);
+    misalign(name == "index_q" ? p.index_q : p.index_k);
+    expect_misaligned([&] { select(p); }, name);
+  }
+  for (const std::string name : {"q", "k", "v", "dout"}) {
+    auto p = backward_params();
+    for (TensorView* t : {&p.q, &p.k, &p.v, &p.topk, &p.out, &p.lse, &p.dout, &p.dq, &p.dk, &p.dv})
+      t->device = Device::cuda(0);
+    misalign(name == "q" ? p.q : name == "k" ? p.k : name == "v" ? p.v : p.dout);
+    expect_misaligned([&] { sparse_attention_backward(topo, L, cuda_plan, p); }, name);
+  }
+  for (const std::string name : {"q", "k", "index_q", "index_k"}) {
+    auto p = kl_params();
+    for (TensorView* t : {&p.q, &p.k, &p.lse, &p.index_q, &p.index_k, &p.index_lse, &p.topk, &p.dindex_q, &p.dindex_k})
+      t->device = Device::cuda(0);
+    misalign(name == "q" ? p.q : name == "k" ? p.k : name == "index_q" ? p.index_q : p.index_k);
+    expect_misaligned([&] { kl_backward(topo, L, cuda_plan, p); }, name);
+  }
+}
+
 #if !MSA_WITH_CUDA
 TEST_F(Errors, CudaTensorsWithoutCudaBackend) {
   auto p = select_params();

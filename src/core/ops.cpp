@@ -168,6 +168,9 @@ void select_blocks(const Topology& topo, const PackedLayout& L, const SelectBloc
     check_tensor(p.selected_lse, "selected_lse", {DType::f32}, {Dim(Hi, "Hi"), Dim(L.total_q(), "total_q")}, dev);
   require(std::isfinite(p.lse_temperature) && p.lse_temperature > 0,
           concat("lse_temperature must be finite and > 0, got ", p.lse_temperature));
+  // The CUDA indexer moves index rows with TMA and 16-byte asynchronous copies.
+  detail::check_rows_aligned(p.index_q, "index_q", 16);
+  detail::check_rows_aligned(p.index_k, "index_k", 16);
   dispatch(
       "select_blocks", dev, [&] { cpu::select_blocks(topo, L, p, opt); },
       [&] { cuda::select_blocks(topo, L, p, opt); });
@@ -304,6 +307,9 @@ void sparse_attention_backward(const Topology& topo, const PackedLayout& L, cons
   check_tensor(p.dv, "dv", kFloatOut, {Tk, Dim(Hkv, "Hkv"), Dim(D)}, dev);
   check_plan(plan, L, topo, dev);
   check_call_workspace(topo, L, plan, p.workspace, dev, "sparse_attention_backward", WorkspaceCall::backward, opt);
+  // The CUDA backward copies rows of these with 16-byte asynchronous copies.
+  for (const auto& [t, name] : {std::pair{&p.q, "q"}, {&p.k, "k"}, {&p.v, "v"}, {&p.dout, "dout"}})
+    detail::check_rows_aligned(*t, name, 16);
   AttentionBackwardParams bound = p;
   bound.topk = bound_selection(plan, p.topk, "sparse_attention_backward", opt);
   dispatch(
@@ -333,6 +339,9 @@ void kl_backward(const Topology& topo, const PackedLayout& L, const SparsePlan& 
           concat("grad_scale must be finite and >= 0 (0 = 1 / (Hi * total_q)), got ", p.grad_scale));
   check_plan(plan, L, topo, dev);
   check_call_workspace(topo, L, plan, p.workspace, dev, "kl_backward", WorkspaceCall::kl_backward, opt);
+  // The CUDA KL backward copies rows of these with 16-byte asynchronous copies.
+  for (const auto& [t, name] : {std::pair{&p.q, "q"}, {&p.k, "k"}, {&p.index_q, "index_q"}, {&p.index_k, "index_k"}})
+    detail::check_rows_aligned(*t, name, 16);
   KlBackwardParams bound = p;
   bound.topk = bound_selection(plan, p.topk, "kl_backward", opt);
   dispatch(
