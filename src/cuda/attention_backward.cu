@@ -1,18 +1,24 @@
 // Sparse attention backward, KV-outer over the plan's chunk list (chunk_walker.cuh). The CTA
-// keeps the block's K and V in shared memory and dK, dV of its keys in registers (warp w
-// owns keys 16w..16w+15) while it walks the chunk's queries 8 at a time (a sub-chunk of 128
-// rows: warp w = query w, its 16 heads). Every product runs on wgmma (sm_90a):
-//   S = Q K^T, P = exp(S * scale - lse), dP = dO V^T, dS = P (dP - D), D = rowsum(dO * O)
-//   dV += P^T dO, dK += scale dS^T Q, dQ (per edge) = scale dS K
+// keeps the block's K and V in shared memory and dK, dV of its keys in registers (warpgroup
+// wg owns keys 64wg..64wg+63, warp w keys 16w..16w+15) while it walks the chunk's queries 8 at
+// a time (a sub-chunk of 128 rows: row 16w + h = query w, head h). The products are computed
+// transposed, keys as the M dimension, so that P^T and dS^T stay in registers as the A operand
+// of the key-gradient products (no round trip of P through shared memory, no CTA barrier
+// between the scores and dK, dV). Per half of 64 sub-chunk rows, on wgmma (sm_90a):
+//   S^T = K Q^T, dP^T = V dO^T, P^T = exp(S^T * scale - lse), dS^T = P^T (dP^T - D),
+//   D = rowsum(dO * O); dV += P^T dO and dK += scale dS^T Q with P^T, dS^T from registers.
+// dS^T goes to shared memory, and after one barrier dQ (per edge) = scale dS K, warpgroup wg
+// taking rows 64wg.. (its warps' queries). The next half's scores run on the tensor cores
+// while this half's key-gradient products do.
 // Masked keys (past a query's causal limit) get P = dS = 0 by selection, never by a product
 // with 0, so a non-finite K or V there cannot reach the query's gradients; dQ reads a copy of
 // K with non-finite values zeroed when a masked block holds one (finite_copy).
 // Default mode: dK, dV go to fp32 accumulators with atomics, and each edge's dQ (16 head rows
-// of one query) through the P tile, free by then, into the fp32 dQ accumulator by TMA
-// reductions (two boxes of 16 rows x 32 columns a warp and 64-dim half): the L2 adds whole
-// lines instead of the threads' 8-byte atomics. Deterministic mode: each edge's dQ goes to its
-// partial slot (bf16) and each chunk's dK, dV to its own fp32 slot; reduce_gradients finishes
-// both in a fixed order.
+// of one query) through a staging tile into the fp32 dQ accumulator by TMA reductions (two
+// boxes of 16 rows x 32 columns a warp and 64-dim half): the L2 adds whole lines instead of
+// the threads' 8-byte atomics. Deterministic mode: each edge's dQ goes to its partial slot
+// (bf16) and each chunk's dK, dV to its own fp32 slot; reduce_gradients finishes both in a
+// fixed order.
 #include "backend.h"
 #include "cuda/backward_steps.cuh"
 #include "cuda/chunk_walker.cuh"
@@ -23,13 +29,14 @@
 #include "cuda/wgmma.cuh"
 #include "cuda/workspace.h"
 
+#include <cstddef>
+
 namespace msa::cuda {
 namespace {
 
 using model::kBlockSize;
 using model::kGroupSize;
 using model::kHeadDim;
-constexpr int kLastKey = kBlockSize - 1;
 
 struct BackwardArgs {
   ChunkList chunks;
@@ -51,85 +58,100 @@ struct BackwardArgs {
 };
 
 struct BackwardStorage {
-  BlockTile k, v;       // the key block, rows = keys
-  BlockTile q, dout;    // the sub-chunk: row 16w + h = query w, head h
-  BlockTile p, ds;      // P and dS of the sub-chunk, rows as q, columns = keys
-  BlockTile k_finite;   // K without non-finite values, for dQ when a masked block holds one
+  BlockTile k, v;        // the key block, rows = keys
+  BlockTile q, dout;     // the sub-chunk: row 16w + h = query w, head h
+  BlockTile ds_t;        // dS^T of the sub-chunk: rows = keys, columns = the sub-chunk's rows
+  BlockTile dq_staging;  // each warp's 4 KB of dQ boxes for the TMA reductions
+  BlockTile k_finite;    // K without non-finite values, for dQ when a masked block holds one
+  float lse[kSubRows];   // the LSE and D of the sub-chunk's rows, loaded with Q and dO
+  float delta[kSubRows];
   QueryMeta meta[1][kWalkerWarps];
 };
 constexpr int kSmemBytes = storage_smem_bytes<BackwardStorage>();
 
-// The steps of a sub-chunk, in order. Warp w holds rows 16w..16w+15 of the sub-chunk (query
-// w) in its fragments; `hh` picks a half of 64 keys (P, dS) or of 64 dims (dQ).
+// The steps of a sub-chunk, in order. In the transposed products warp w holds keys 16w + r0
+// and 16w + r0 + 8 of the block; fragment j of a half h holds sub-chunk rows
+// 64h + 8j + 2t, +1 (query 4h + j / 2). `hh` of dQ picks a half of 64 dims.
+constexpr int kHalfRows = kSubRows / 2;
+constexpr int kHalfFrags = kHalfRows / 8;  // n8 fragments of a 64-row half
+constexpr int kHalfKSteps = kHalfRows / 16;
+// What a k-step of 16 rows adds to an MN-major descriptor (tile_desc_mn, tile_desc_mn_x128).
+constexpr uint64_t kMnStep = (16 * 128) >> 4;
 
-// P (bf16) of keys 64hh..64hh+63 of the warp's rows from their scores S, into the P tile; 0
-// past the row's limit.
-__device__ __forceinline__ void store_p(const WalkerThread& th, uint32_t ps, const float (&s)[8][4], int hh,
-                                        float scale_log2, float la, float lb, int lim) {
-  uint32_t pk[8][2];  // bf16 pairs of rows r0 and r0 + 8
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const int col = (8 * hh + i) * 8 + 2 * th.t;
-    float p0 = softmax_p(s[i][0], scale_log2, la), p1 = softmax_p(s[i][1], scale_log2, la);
-    float p2 = softmax_p(s[i][2], scale_log2, lb), p3 = softmax_p(s[i][3], scale_log2, lb);
-    if (lim < kLastKey) {
-      if (col > lim) p0 = p2 = 0.f;
-      if (col + 1 > lim) p1 = p3 = 0.f;
-    }
-    pk[i][0] = pack_bf16(p0, p1);
-    pk[i][1] = pack_bf16(p2, p3);
-  }
-#pragma unroll
-  for (int k = 0; k < 4; ++k)
-    store_rows_x16(ps, kSubRows, th.r16, 4 * hh + k, th.lane, pk[2 * k][0], pk[2 * k][1], pk[2 * k + 1][0],
-                   pk[2 * k + 1][1]);
-}
-
-// dS = P (dP - D) of keys 64hh.. into the dS tile, 0 past the row's limit (dP may be NaN there).
-__device__ __forceinline__ void store_ds(const WalkerThread& th, uint32_t ps, uint32_t dss, const float (&dp)[8][4],
-                                         int hh, HeadPair del, int lim) {
-#pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    // The warp reads back its own rows of P in the accumulator layout: pr = (row r0, tile
-    // 2k), (row r0 + 8, tile 2k), then tile 2k + 1.
-    uint32_t pr[4], dsr[4];
-    load_a(pr, ps, kSubRows, th.r16, (8 * hh + 2 * k) * 8, th.lane);
-#pragma unroll
-    for (int h = 0; h < 4; ++h) {
-      const float(&dph)[4] = dp[2 * k + (h >> 1)];
-      const float d = (h & 1) ? del.b : del.a;
-      const __nv_bfloat162 pv = *reinterpret_cast<const __nv_bfloat162*>(&pr[h]);
-      const int e = (h & 1) * 2, col = (8 * hh + 2 * k + (h >> 1)) * 8 + 2 * th.t;
-      float d0 = __low2float(pv) * (dph[e] - d), d1 = __high2float(pv) * (dph[e + 1] - d);
-      if (lim < kLastKey) {
-        d0 = col <= lim ? d0 : 0.f;
-        d1 = col + 1 <= lim ? d1 : 0.f;
-      }
-      dsr[h] = pack_bf16(d0, d1);
-    }
-    store_rows_x16(dss, kSubRows, th.r16, 4 * hh + k, th.lane, dsr[0], dsr[1], dsr[2], dsr[3]);
-  }
-}
-
-// dV += P^T dO and dK += dS^T Q for the 64 keys of warpgroup wg (column half wg of the P and
-// dS tiles): P^T and dS^T are read transposed from their [rows, keys] tiles and dO, Q from
-// their [rows, dims] tiles, in two 64-dim halves. Warp w holds keys 16w..16w+15.
-__device__ __forceinline__ void accumulate_dv_dk(float (&dv)[kHeadFrags][4], float (&dk)[kHeadFrags][4], uint32_t ps, uint32_t dss,
-                                                 uint32_t dos, uint32_t qs, int wg) {
+// Issues the product of the warpgroup's 64 keys (key_row.. of `keys`) with the 64 sub-chunk
+// rows of half h of `rows` as one commit group, S^T = K Q^T or dP^T = V dO^T; does not wait.
+__device__ __forceinline__ void issue_transposed(float (&d)[kHalfFrags][4], uint32_t keys, uint32_t rows, int key_row,
+                                                int h) {
+  const uint64_t a0 = tile_desc(keys, kBlockSize, key_row, 0), b0 = tile_desc(rows, kSubRows, kHalfRows * h, 0);
   wgmma_fence();
 #pragma unroll
-  for (int hh = 0; hh < 2; ++hh) {
-    float(&dv_half)[8][4] = *reinterpret_cast<float(*)[8][4]>(&dv[8 * hh]);
-    float(&dk_half)[8][4] = *reinterpret_cast<float(*)[8][4]>(&dk[8 * hh]);
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk)
-      wgmma_m64n64k16<1, 1>(dv_half, tile_desc_mn(ps, kSubRows, wg, kk), tile_desc_mn(dos, kSubRows, hh, kk), 1);
-#pragma unroll
-    for (int kk = 0; kk < 8; ++kk)
-      wgmma_m64n64k16<1, 1>(dk_half, tile_desc_mn(dss, kSubRows, wg, kk), tile_desc_mn(qs, kSubRows, hh, kk), 1);
-  }
+  for (int kk = 0; kk < 8; ++kk)
+    wgmma_m64n64k16(d, a0 + tile_desc_step(kBlockSize, kk), b0 + tile_desc_step(kSubRows, kk), kk > 0);
   wgmma_commit();
-  wgmma_wait<0>();
+}
+
+// The causal limits of the 4 queries of half h (-1 for an empty slot: it sees no key).
+__device__ __forceinline__ void half_limits(int (&lim)[4], const QueryMeta (&meta)[kWalkerWarps], int h) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const QueryMeta& m = meta[4 * h + i];
+    lim[i] = m.row < 0 ? -1 : m.limit;
+  }
+}
+
+// P^T = exp(S^T scale - lse) as the bf16 A fragments of dV += P^T dO, 0 where the key is
+// past the row's limit. Fragment pair k holds columns 16k.. of the half: a[0] (key_a, n8
+// tile 2k), a[1] (key_a + 8, tile 2k), a[2], a[3] the same of tile 2k + 1.
+__device__ __forceinline__ void probabilities_t(uint32_t (&pa)[kHalfKSteps][4], const float (&s)[kHalfFrags][4],
+                                                uint32_t lse, const int (&lim)[4], int key_a, int h, int t,
+                                                float scale_log2) {
+#pragma unroll
+  for (int j = 0; j < kHalfFrags; ++j) {
+    const int col = kHalfRows * h + 8 * j + 2 * t;
+    const float2 l = ld_shared_f32x2(lse + 4 * col);
+    const float l0 = lse_log2(l.x), l1 = lse_log2(l.y);
+    const int q = j >> 1;
+    const bool in_a = key_a <= lim[q], in_b = key_a + 8 <= lim[q];
+    pa[j >> 1][2 * (j & 1)] = pack_bf16(in_a ? softmax_p(s[j][0], scale_log2, l0) : 0.f,
+                                        in_a ? softmax_p(s[j][1], scale_log2, l1) : 0.f);
+    pa[j >> 1][2 * (j & 1) + 1] = pack_bf16(in_b ? softmax_p(s[j][2], scale_log2, l0) : 0.f,
+                                            in_b ? softmax_p(s[j][3], scale_log2, l1) : 0.f);
+  }
+}
+
+// dS^T = P^T (dP^T - D) from the bf16 P^T (as the products use it) in the same fragments, 0
+// past the row's limit (dP^T may be NaN there).
+__device__ __forceinline__ void dscores_t(uint32_t (&da)[kHalfKSteps][4], const uint32_t (&pa)[kHalfKSteps][4],
+                                          const float (&dp)[kHalfFrags][4], uint32_t delta, const int (&lim)[4],
+                                          int key_a, int h, int t) {
+#pragma unroll
+  for (int j = 0; j < kHalfFrags; ++j) {
+    const int col = kHalfRows * h + 8 * j + 2 * t;
+    const float2 d = ld_shared_f32x2(delta + 4 * col);
+    const int q = j >> 1;
+    const bool in_a = key_a <= lim[q], in_b = key_a + 8 <= lim[q];
+    const __nv_bfloat162 pa_a = *reinterpret_cast<const __nv_bfloat162*>(&pa[j >> 1][2 * (j & 1)]);
+    const __nv_bfloat162 pa_b = *reinterpret_cast<const __nv_bfloat162*>(&pa[j >> 1][2 * (j & 1) + 1]);
+    da[j >> 1][2 * (j & 1)] = pack_bf16(in_a ? __low2float(pa_a) * (dp[j][0] - d.x) : 0.f,
+                                        in_a ? __high2float(pa_a) * (dp[j][1] - d.y) : 0.f);
+    da[j >> 1][2 * (j & 1) + 1] = pack_bf16(in_b ? __low2float(pa_b) * (dp[j][2] - d.x) : 0.f,
+                                            in_b ? __high2float(pa_b) * (dp[j][3] - d.y) : 0.f);
+  }
+}
+
+// Issues dV += P^T dO and dK += dS^T Q over the 64 rows of half h (P^T, dS^T from registers;
+// dO and Q read MN-major, their rows being the reduction dimension) as one commit group.
+__device__ __forceinline__ void issue_key_grads(float (&dv)[kHeadFrags][4], float (&dk)[kHeadFrags][4],
+                                                const uint32_t (&pa)[kHalfKSteps][4],
+                                                const uint32_t (&da)[kHalfKSteps][4], uint32_t dos, uint32_t qs,
+                                                int h) {
+  const uint64_t do0 = tile_desc_mn_x128(dos, kSubRows, kHalfKSteps * h), q0 = tile_desc_mn_x128(qs, kSubRows, kHalfKSteps * h);
+  wgmma_fence();
+#pragma unroll
+  for (int k = 0; k < kHalfKSteps; ++k) wgmma_m64n128k16_rs<1>(dv, pa[k], do0 + kMnStep * k, 1);
+#pragma unroll
+  for (int k = 0; k < kHalfKSteps; ++k) wgmma_m64n128k16_rs<1>(dk, da[k], q0 + kMnStep * k, 1);
+  wgmma_commit();
 }
 
 // The warp's dq fragments of one 64-dim half, times `scale`, into its 4 KB of the staging
@@ -146,84 +168,111 @@ __device__ __forceinline__ void stage_dq_half(uint32_t region, const float (&dq)
   }
 }
 
-// dq = dS K for dims 64hh..64hh+63 of the warpgroup's 64 rows (from wg_row): dS is K-major,
-// the K tile (rows = keys) is read transposed.
-__device__ __forceinline__ void dq_half(float (&dq)[8][4], uint32_t dss, uint32_t ks, int wg_row, int hh) {
+// dq = dS K for dims 64hh..64hh+63 of warpgroup wg's 64 rows: dS read from the dS^T tile
+// (MN-major: its columns are the rows), the K tile (rows = keys) read transposed.
+__device__ __forceinline__ void dq_half(float (&dq)[8][4], uint32_t ds_t, uint32_t ks, int wg, int hh) {
+  const uint64_t a0 = tile_desc_mn(ds_t, kBlockSize, wg, 0), b0 = tile_desc_mn(ks, kBlockSize, hh, 0);
   wgmma_fence();
 #pragma unroll
-  for (int kk = 0; kk < 8; ++kk)
-    wgmma_m64n64k16<0, 1>(dq, tile_desc(dss, kSubRows, wg_row, kk), tile_desc_mn(ks, kBlockSize, hh, kk), kk > 0);
+  for (int kk = 0; kk < 8; ++kk) wgmma_m64n64k16<1, 1>(dq, a0 + kMnStep * kk, b0 + kMnStep * kk, kk > 0);
   wgmma_commit();
   wgmma_wait<0>();
 }
 
-// The backward of one CTA as the chunk walker drives it.
+// The backward of one CTA as the chunk walker drives it. Shared-memory addresses are the
+// storage's base plus constant offsets (one register instead of one per tile).
 struct BackwardChunks : WalkerThread {
   const BackwardArgs& a;
-  const uint32_t ks, vs, qs, dos, ps, dss, kfs;
-  uint32_t k_dq = 0;  // the K tile dQ reads: ks, or kfs
+  const uint32_t base;
+  uint32_t k_dq = 0;  // the K tile dQ reads: ks(), or kfs()
   float dk[kHeadFrags][4], dv[kHeadFrags][4];
 
-  __device__ BackwardChunks(const BackwardArgs& args, const BackwardStorage& s)
-      : a(args), ks(smem_addr(&s.k)), vs(smem_addr(&s.v)), qs(smem_addr(&s.q)), dos(smem_addr(&s.dout)),
-        ps(smem_addr(&s.p)), dss(smem_addr(&s.ds)), kfs(smem_addr(&s.k_finite)) {}
+  __device__ BackwardChunks(const BackwardArgs& args, const BackwardStorage& s) : a(args), base(smem_addr(&s)) {}
+
+#define MSA_SMEM_AT(name, field)                                                                               \
+  __device__ __forceinline__ uint32_t name(uint32_t at) const { return at + uint32_t(offsetof(BackwardStorage, field)); } \
+  __device__ __forceinline__ uint32_t name() const { return name(base); }
+  MSA_SMEM_AT(ks, k)
+  MSA_SMEM_AT(vs, v)
+  MSA_SMEM_AT(qs, q)
+  MSA_SMEM_AT(dos, dout)
+  MSA_SMEM_AT(ds_t, ds_t)
+  MSA_SMEM_AT(staging_tile, dq_staging)
+  MSA_SMEM_AT(kfs, k_finite)
+  MSA_SMEM_AT(lse_rows, lse)
+  MSA_SMEM_AT(delta_rows, delta)
+#undef MSA_SMEM_AT
 
   __device__ void load_block(const Chunk& ch) {
-    k_dq = ks;
+    k_dq = ks();
     const KeyBlockRows keys(ch, a.Hkv, ch.head_kv);
-    keys.load(ks, a.k, *this);
-    keys.load(vs, a.v, *this);
+    keys.load(ks(), a.k, *this);
+    keys.load(vs(), a.v, *this);
   }
+  // The warp's query: its 16 heads of Q and dO, and their LSE (lanes 0-15) and D (16-31). An
+  // empty slot's LSE and D stay stale: its rows see no key, so they are never used.
   __device__ void load_queries(const Chunk& ch, SlotQuery query, int) {
     const QueryHeadRows heads(ch, query, a.Hq);
-    heads.load(qs, a.q, *this);
-    heads.load(dos, a.dout, *this);
+    heads.load(qs(), a.q, *this);
+    heads.load(dos(), a.dout, *this);
+    if (query.valid) {
+      const int h = lane & 15;
+      const int64_t hrow = int64_t(query.row) * a.Hq + model::kGroupSize * ch.head_kv + h;
+      cp_async4((lane < 16 ? lse_rows() : delta_rows()) + 4 * (r16 + h), (lane < 16 ? a.lse : a.delta) + hrow);
+    }
   }
   __device__ void begin_chunk(const Chunk&) {
     zero(dk);
     zero(dv);
   }
-  __device__ void masked_block_ready(const Chunk&) { k_dq = finite_operand<kBlockSize>(ks, kfs); }
+  __device__ void masked_block_ready(const Chunk&) { k_dq = finite_operand<kBlockSize>(ks(), kfs()); }
 
   template <class Release>
   __device__ void sub_chunk(const Chunk& ch, int, const QueryMeta (&meta)[kWalkerWarps], Release&& release) {
-    const HeadRows rows = head_rows(meta[warp], a.Hq, ch, *this);
-    const HeadPair lse = head_values(a.lse, rows, 0.f), del = head_values(a.delta, rows, 0.f);
-    const float la = lse_log2(lse.a), lb = lse_log2(lse.b);
-    // S = Q K^T and P, then dP = dO V^T and dS = P (dP - D), each in two halves of 64 keys.
+    const int key_a = 16 * warp + r0;
+    // The tiles' addresses and descriptors are formed here from a base the compiler cannot
+    // hoist, instead of being held across the walk in registers that the products need.
+    const uint32_t sb = opaque(base);
+    // Per half of the sub-chunk's rows: scores, P^T, dS^T, then dV, dK on the tensor cores
+    // while the next half's scores queue behind them.
+    float s[kHalfFrags][4], dp[kHalfFrags][4];
+    uint32_t pa[kHalfKSteps][4], da[kHalfKSteps][4];
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      float s[8][4];
-      wgmma_rows_x64(s, qs, kSubRows, wg_row, ks, kBlockSize, 64 * hh);
-      store_p(*this, ps, s, hh, a.scale_log2, la, lb, rows.lim);
-    }
+    for (int h = 0; h < 2; ++h) {
+      issue_transposed(s, ks(sb), qs(sb), wg_row, h);  // S^T
+      int lim[4];
+      half_limits(lim, meta, h);
+      wgmma_wait<0>();  // S^T, and the previous half's dV, dK
+      issue_transposed(dp, vs(sb), dos(sb), wg_row, h);  // dP^T, during P^T
+      probabilities_t(pa, s, lse_rows(sb), lim, key_a, h, t, a.scale_log2);
+      wgmma_wait<0>();  // dP^T
+      dscores_t(da, pa, dp, delta_rows(sb), lim, key_a, h, t);
+      issue_key_grads(dv, dk, pa, da, dos(sb), qs(sb), h);
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {
-      float dp[8][4];
-      wgmma_rows_x64(dp, dos, kSubRows, wg_row, vs, kBlockSize, 64 * hh);
-      store_ds(*this, ps, dss, dp, hh, del, rows.lim);
+      for (int k = 0; k < kHalfKSteps; ++k)
+        store_rows_x16(ds_t(sb), kBlockSize, r16, kHalfKSteps * h + k, lane, da[k][0], da[k][1], da[k][2], da[k][3]);
     }
-    fence_proxy_async();  // P and dS are read by wgmma next
-    __syncthreads();
-    accumulate_dv_dk(dv, dk, ps, dss, dos, qs, warp >> 2);
-    __syncthreads();
-    release();  // Q and dO are free: the next sub-chunk loads while dQ runs
+    wgmma_wait<0>();
+    const HeadRows rows = head_rows(meta[warp], a.Hq, ch, *this);  // the warp's query, whose dQ it writes
+    fence_proxy_async();  // dS^T is read by wgmma next
+    __syncthreads();      // every warpgroup's dS^T is stored; Q and dO are read
+    release();            // the next sub-chunk loads while dQ runs
     // dQ of this warp's edge = scale dS K, in two halves of 64 dims (every warp takes part).
-    const uint32_t staging = ps + warp * 4096;  // P is dead after dV: the warp's 4 KB of it
+    const uint32_t staging = staging_tile(sb) + warp * 4096;
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
       float dq[8][4];
-      dq_half(dq, dss, k_dq, wg_row, hh);
+      dq_half(dq, ds_t(sb), k_dq, warp >> 2, hh);
       if (rows.row < 0) continue;  // an empty slot has no edge (warp-uniform)
       if (a.deterministic) {
         store_query_grad<&BackwardArgs::dq_part, &BackwardArgs::dq_acc, &BackwardArgs::scale, &BackwardArgs::Hq, 2>(
             a, *this, dq, rows.slot, rows.hrow, 64 * hh);
         continue;
       }
-      if (hh == 1) {  // the first half's boxes must have been read out of the staging tile
-        if (lane == 0) bulk_wait_read<0>();
-        __syncwarp();
-      }
+      // The warp's previous boxes (this sub-chunk's first half, or the last sub-chunk's
+      // second) must have been read out of the staging tile.
+      if (lane == 0) bulk_wait_read<0>();
+      __syncwarp();
       stage_dq_half(staging, dq, a.scale, r0, t);
       fence_proxy_async();  // the stores, then the TMA's reads
       __syncwarp();
@@ -233,8 +282,6 @@ struct BackwardChunks : WalkerThread {
         bulk_commit();
       }
     }
-    // The next sub-chunk writes P here after its first barrier: the boxes must be read by then.
-    if (lane == 0) bulk_wait_read<0>();
   }
 
   // dK = scale dS^T Q and dV of the chunk's keys.
