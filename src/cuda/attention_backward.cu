@@ -8,8 +8,8 @@
 //   S^T = K Q^T, dP^T = V dO^T, P^T = exp(S^T * scale - lse), dS^T = P^T (dP^T - D),
 //   D = rowsum(dO * O); dV += P^T dO and dK += scale dS^T Q with P^T, dS^T from registers.
 // dS^T goes to shared memory, and after one barrier dQ (per edge) = scale dS K, warpgroup wg
-// taking rows 64wg.. (its warps' queries). The next half's scores run on the tensor cores
-// while this half's key-gradient products do.
+// taking rows 64wg.. (its warps' queries). The next half's scores are issued behind this
+// half's key-gradient products, so the tensor cores go from one to the other without a gap.
 // Masked keys (past a query's causal limit) get P = dS = 0 by selection, never by a product
 // with 0, so a non-finite K or V there cannot reach the query's gradients; dQ reads a copy of
 // K with non-finite values zeroed when a masked block holds one (finite_copy).
