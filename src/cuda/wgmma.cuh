@@ -135,26 +135,4 @@ __device__ __forceinline__ void wgmma_m64n64k16_rs_mn(float (&d)[8][4], const ui
                  : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
 }
 
-// S (64 x n) = A B^T over the 128 columns of two tiles: warpgroup rows a_row0.. of tile a,
-// rows b_row0.. of tile b.
-__device__ __forceinline__ void wgmma_rows_x128(float (&d)[16][4], uint32_t a, int a_rows, int a_row0, uint32_t b,
-                                                int b_rows, int b_row0) {
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < 8; ++kk)
-    wgmma_m64n128k16(d, tile_desc(a, a_rows, a_row0, kk), tile_desc(b, b_rows, b_row0, kk), kk > 0);
-  wgmma_commit();
-  wgmma_wait<0>();
-}
-
-__device__ __forceinline__ void wgmma_rows_x64(float (&d)[8][4], uint32_t a, int a_rows, int a_row0, uint32_t b,
-                                               int b_rows, int b_row0) {
-  wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < 8; ++kk)
-    wgmma_m64n64k16(d, tile_desc(a, a_rows, a_row0, kk), tile_desc(b, b_rows, b_row0, kk), kk > 0);
-  wgmma_commit();
-  wgmma_wait<0>();
-}
-
 }  // namespace msa::cuda
