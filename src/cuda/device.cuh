@@ -249,13 +249,6 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const void* map, int c
       "l"(map), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(bar), "l"(policy)
       : "memory");
 }
-// Brings one box of a 4-D map into L2 only (no shared memory, no barrier): loads issued later
-// find it there.
-__device__ __forceinline__ void tma_prefetch_4d(const void* map, int c0, int c1, int c2, int c3) {
-  asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];\n" ::"l"(map), "r"(c0), "r"(c1),
-               "r"(c2), "r"(c3)
-               : "memory");
-}
 // Brings `bytes` (a multiple of 16, from a 16-byte aligned address) of global memory into L2.
 // One operation of the SM's TMA unit: its address is a uniform operand, so a warp whose lanes
 // give different addresses issues one operation per lane, one after the other.
