@@ -157,25 +157,35 @@ __global__ void __launch_bounds__(kThreads, 1) epilogue(float* acc, uint16_t* pa
     if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
 }
 
-template <Mode M>
-float time_mode(float* acc, uint16_t* partial, int smem) {
-  CHECK(cudaFuncSetAttribute(epilogue<M>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+// Median of 10 timed calls of `launch` (CUDA events, after 3 warm-up calls).
+template <class Launch>
+float median_ms(Launch&& launch) {
   cudaEvent_t a, b;
   CHECK(cudaEventCreate(&a));
   CHECK(cudaEventCreate(&b));
   std::vector<float> ms;
   for (int i = 0; i < 13; ++i) {
     CHECK(cudaEventRecord(a));
-    epilogue<M><<<kCtas, kThreads, smem>>>(acc, partial, 1e-3f);
-    CHECK(cudaGetLastError());
+    launch();
     CHECK(cudaEventRecord(b));
     CHECK(cudaEventSynchronize(b));
     float t = 0;
     CHECK(cudaEventElapsedTime(&t, a, b));
     if (i >= 3) ms.push_back(t);
   }
+  CHECK(cudaEventDestroy(a));
+  CHECK(cudaEventDestroy(b));
   std::sort(ms.begin(), ms.end());
   return ms[ms.size() / 2];
+}
+
+template <Mode M>
+float time_mode(float* acc, uint16_t* partial, int smem) {
+  CHECK(cudaFuncSetAttribute(epilogue<M>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  return median_ms([&] {
+    epilogue<M><<<kCtas, kThreads, smem>>>(acc, partial, 1e-3f);
+    CHECK(cudaGetLastError());
+  });
 }
 
 }  // namespace
@@ -192,23 +202,8 @@ int main() {
   CHECK(cudaMalloc(&partial, part_bytes));
   CHECK(cudaMemset(acc, 0, acc_bytes));
   // The accumulator's zeroing, as a step would do it before the tasks.
-  {
-    cudaEvent_t a, b;
-    CHECK(cudaEventCreate(&a));
-    CHECK(cudaEventCreate(&b));
-    std::vector<float> ms;
-    for (int i = 0; i < 13; ++i) {
-      CHECK(cudaEventRecord(a));
-      CHECK(cudaMemsetAsync(acc, 0, acc_bytes));
-      CHECK(cudaEventRecord(b));
-      CHECK(cudaEventSynchronize(b));
-      float t = 0;
-      CHECK(cudaEventElapsedTime(&t, a, b));
-      if (i >= 3) ms.push_back(t);
-    }
-    std::sort(ms.begin(), ms.end());
-    std::printf("%-12s %8.3f ms  %7.0f GB/s  (%zu MB)\n", "memset-acc", ms[5], acc_bytes / ms[5] / 1e6, acc_bytes >> 20);
-  }
+  const float zero_ms = median_ms([&] { CHECK(cudaMemsetAsync(acc, 0, acc_bytes)); });
+  std::printf("%-12s %8.3f ms  %7.0f GB/s  (%zu MB)\n", "memset-acc", zero_ms, acc_bytes / zero_ms / 1e6, acc_bytes >> 20);
   const double red_bytes = double(kEdges) * kGroup * kDim * 4, st_bytes = double(part_bytes);
   auto report = [&](Mode m, float t) {
     const double bytes = m == store_bf16 ? st_bytes : red_bytes;
