@@ -29,14 +29,7 @@
 
 #include <cuda_runtime.h>
 
-#define CHECK(x)                                                                              \
-  do {                                                                                        \
-    cudaError_t e_ = (x);                                                                     \
-    if (e_ != cudaSuccess) {                                                                  \
-      std::fprintf(stderr, "%s:%d: %s\n", __FILE__, __LINE__, cudaGetErrorString(e_));        \
-      std::exit(1);                                                                           \
-    }                                                                                         \
-  } while (0)
+#include "probe_timing.cuh"
 
 namespace {
 
@@ -155,28 +148,6 @@ __global__ void __launch_bounds__(kThreads, 1) epilogue(float* acc, uint16_t* pa
   }
   if (M == bulk_8k || M == bulk_4k_x2)
     if (lane == 0) asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory");
-}
-
-// Median of 10 timed calls of `launch` (CUDA events, after 3 warm-up calls).
-template <class Launch>
-float median_ms(Launch&& launch) {
-  cudaEvent_t a, b;
-  CHECK(cudaEventCreate(&a));
-  CHECK(cudaEventCreate(&b));
-  std::vector<float> ms;
-  for (int i = 0; i < 13; ++i) {
-    CHECK(cudaEventRecord(a));
-    launch();
-    CHECK(cudaEventRecord(b));
-    CHECK(cudaEventSynchronize(b));
-    float t = 0;
-    CHECK(cudaEventElapsedTime(&t, a, b));
-    if (i >= 3) ms.push_back(t);
-  }
-  CHECK(cudaEventDestroy(a));
-  CHECK(cudaEventDestroy(b));
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
 }
 
 template <Mode M>
