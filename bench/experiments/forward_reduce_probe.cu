@@ -20,7 +20,8 @@
 //                wait between them
 // Prints the median of 10 timed launches (CUDA events) and the rate in GB/s of delivered bytes.
 //
-// build: nvcc -O3 -std=c++20 -arch=sm_90a bench/experiments/forward_reduce_probe.cu -o /tmp/forward_reduce_probe
+// build: nvcc -O3 -std=c++20 -arch=sm_90a -Iinclude -Isrc bench/experiments/forward_reduce_probe.cu \
+//          -o /tmp/forward_reduce_probe
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
@@ -29,7 +30,11 @@
 
 #include <cuda_runtime.h>
 
+#include "cuda/device.cuh"  // smem_addr, pack_bf16
 #include "probe_timing.cuh"
+
+using msa::cuda::pack_bf16;
+using msa::cuda::smem_addr;
 
 namespace {
 
@@ -48,12 +53,6 @@ const char* kNames[] = {"store-bf16", "red-v2", "red-v4", "bulk-8k", "bulk-4k-x2
 __device__ __forceinline__ uint32_t mix(uint32_t x) {
   x ^= x >> 16, x *= 0x7feb352du, x ^= x >> 15, x *= 0x846ca68bu, x ^= x >> 16;
   return x;
-}
-__device__ __forceinline__ uint32_t smem_addr(const void* p) { return uint32_t(__cvta_generic_to_shared(p)); }
-__device__ __forceinline__ uint32_t pack_bf16(float a, float b) {
-  uint32_t r;
-  asm("cvt.rn.bf16x2.f32 %0, %2, %1;\n" : "=r"(r) : "f"(a), "f"(b));
-  return r;
 }
 
 template <Mode M>

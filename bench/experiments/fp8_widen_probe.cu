@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cuda/inference/quant.cuh"
+#include "probe_timing.cuh"
 
 using namespace msa::cuda;
 using namespace msa::cuda::inference;
@@ -112,15 +113,6 @@ __global__ void __launch_bounds__(128, 1) widen_sides(long long* cycles, uint32_
   if (threadIdx.x == 0) cycles[blockIdx.x] = t1 - t0;
   if (any) sink[threadIdx.x] = ld_shared_u32(tile + 4 * threadIdx.x);
 }
-
-#define CHECK(x)                                                                      \
-  do {                                                                                \
-    cudaError_t e = (x);                                                              \
-    if (e != cudaSuccess) {                                                           \
-      std::printf("%s failed: %s\n", #x, cudaGetErrorString(e));                      \
-      std::exit(1);                                                                   \
-    }                                                                                 \
-  } while (0)
 
 long long median(std::vector<long long> v) {
   std::sort(v.begin(), v.end());
