@@ -189,19 +189,22 @@ struct BackwardChunks : WalkerThread {
 
   __device__ BackwardChunks(const BackwardArgs& args, const BackwardStorage& s) : a(args), base(smem_addr(&s)) {}
 
-#define MSA_SMEM_AT(name, field)                                                                               \
-  __device__ __forceinline__ uint32_t name(uint32_t at) const { return at + uint32_t(offsetof(BackwardStorage, field)); } \
+#define MSA_SMEM_OFFSET(name, field) \
+  __device__ __forceinline__ uint32_t name(uint32_t at) const { return at + uint32_t(offsetof(BackwardStorage, field)); }
+#define MSA_SMEM_AT(name, field) \
+  MSA_SMEM_OFFSET(name, field)   \
   __device__ __forceinline__ uint32_t name() const { return name(base); }
   MSA_SMEM_AT(ks, k)
   MSA_SMEM_AT(vs, v)
   MSA_SMEM_AT(qs, q)
   MSA_SMEM_AT(dos, dout)
-  MSA_SMEM_AT(ds_t, ds_t)
-  MSA_SMEM_AT(staging_tile, dq_staging)
+  MSA_SMEM_OFFSET(ds_t, ds_t)  // these two only at a sub-chunk buffer (sb)
+  MSA_SMEM_OFFSET(staging_tile, dq_staging)
   MSA_SMEM_AT(kfs, k_finite)
   MSA_SMEM_AT(lse_rows, lse)
   MSA_SMEM_AT(delta_rows, delta)
 #undef MSA_SMEM_AT
+#undef MSA_SMEM_OFFSET
 
   __device__ void load_block(const Chunk& ch) {
     k_dq = ks();
