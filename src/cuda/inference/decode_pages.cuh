@@ -192,7 +192,7 @@ __device__ __forceinline__ void order_pages_in_rounds(const AttnArgs& a, SplitPa
 // row's entry (a row's ids are unique), the most tokens any of its rows sees is its highest
 // row's (a request's rows sit at increasing positions); by_page ranks a page among the map's
 // set bits below it.
-__device__ __forceinline__ int collect_pages_by_map(const AttnArgs& a, SplitPages& ctl, int2 key, int g, int split,
+__device__ __forceinline__ int collect_pages_by_map(const AttnArgs& a, SplitPages& ctl, int2 key, int split,
                                                     PageOrder order, const TableRow& table, int map_words) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, warps = int(blockDim.x) >> 5;
   const bool valid = key.x >= 0;
@@ -247,10 +247,10 @@ __device__ __forceinline__ int collect_pages(const AttnArgs& a, SplitPages& ctl,
                                              PageOrder order, const TableRow* table = nullptr) {
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int entries = nrows * kTopk;
-  // Tiles of one request whose pages all have a slot of the map (the preloaded page-table row
-  // tells, `table->pages` = its length) with more than 2 rows: the union through a map from
-  // logical page to the rows that selected it, instead of comparing every pair of entries
-  // (6 us of an 8-row tile's step, run 42). The rounds keep the pairwise path.
+  // Tiles of more than 2 rows of one request (the preloaded page-table row is that request's)
+  // whose pages all fit the map (at most kTablePages): the union through a map from logical
+  // page to the rows that selected it, instead of comparing every pair of entries (6 us of an
+  // 8-row tile's step, run 42). The rounds keep the pairwise path.
   const bool map_path = table && order != PageOrder::in_rounds && nrows > 2 && a.kv.max_pages <= kTablePages;
   const int map_words = int((a.kv.max_pages + 31) / 32);
   if (map_path)
@@ -271,7 +271,7 @@ __device__ __forceinline__ int collect_pages(const AttnArgs& a, SplitPages& ctl,
   }
   if (table) cp_async_wait<0>();  // this thread's copies of the preloaded row
   __syncthreads();
-  if (map_path && table->request >= 0) return collect_pages_by_map(a, ctl, key, g, split, order, *table, map_words);
+  if (map_path && table->request >= 0) return collect_pages_by_map(a, ctl, key, split, order, *table, map_words);
   // The entry's page: first appearance, the rows that selected it, the most tokens they see;
   // its rank among its row's entries by page (a repeat right after the first).
   const bool valid = key.x >= 0;
