@@ -136,6 +136,14 @@ __device__ __forceinline__ void preload_page_table(const AttnArgs& a, TableRow& 
   }
 }
 
+// The physical page of (request, logical page) `key`: from the preloaded page-table row when it
+// is that request's and holds the page, else from the plan's table in global memory.
+__device__ __forceinline__ int32_t physical_page(const AttnArgs& a, const TableRow* table, int2 key) {
+  return table && key.x == table->request && key.y < table->pages
+             ? table->physical[key.y]
+             : a.kv.page_table[int64_t(key.x) * a.kv.max_pages + key.y];
+}
+
 // The order of a split's pages. by_row: entry order, row by row (a page comes where its first
 // selecting row has it; a row's order then depends only on the rows before it): a split's share
 // holds few rows' pages, and the wgmma kernel's warpgroups skip the pages none of their rows
@@ -172,9 +180,7 @@ __device__ __forceinline__ void order_pages_in_rounds(const AttnArgs& a, SplitPa
     const uint32_t takers = __ballot_sync(0xffffffffu, taker);
     const int u = taken + __popc(takers & ((1u << lane) - 1u));
     if (taker && u >= u0 && u < u1) {
-      ctl.page_physical[u - u0] = table && key.x == table->request && key.y < table->pages
-                                      ? table->physical[key.y]
-                                      : a.kv.page_table[int64_t(key.x) * a.kv.max_pages + key.y];
+      ctl.page_physical[u - u0] = physical_page(a, table, key);
       ctl.page_logical[u - u0] = key.y;
       ctl.page_tokens[u - u0] = ctl.entry_most[e];
       ctl.page_rows[u - u0] = rows;
@@ -201,14 +207,14 @@ __device__ __forceinline__ int collect_pages_by_map(const AttnArgs& a, SplitPage
   __syncthreads();
   const uint32_t rows = valid ? ctl.rows_of_page[key.y] : 0u;
   const bool first = valid && __ffs(int(rows)) - 1 == row;
+  const uint32_t firsts = __ballot_sync(0xffffffffu, first);  // by_row: this warp's first appearances
   if (order == PageOrder::by_page) {
     for (int w = warp; w < map_words; w += warps) {
       const uint32_t bits = __ballot_sync(0xffffffffu, ctl.rows_of_page[32 * w + lane] != 0u);
       if (lane == 0) ctl.page_bits[w] = bits;
     }
-  } else {
-    const uint32_t ballot = __ballot_sync(0xffffffffu, first);
-    if (lane == 0 && warp < kEntryWarps) ctl.warp_firsts[warp] = __popc(ballot);
+  } else if (lane == 0 && warp < kEntryWarps) {
+    ctl.warp_firsts[warp] = __popc(firsts);
   }
   __syncthreads();
   int unique = 0, before = 0;
@@ -219,8 +225,7 @@ __device__ __forceinline__ int collect_pages_by_map(const AttnArgs& a, SplitPage
       if (first) before += w < key.y / 32 ? __popc(bits) : w == key.y / 32 ? __popc(bits & ((1u << (key.y % 32)) - 1u)) : 0;
     }
   } else {
-    const uint32_t ballot = __ballot_sync(0xffffffffu, first);
-    before = __popc(ballot & ((1u << lane) - 1u));
+    before = __popc(firsts & ((1u << lane) - 1u));
 #pragma unroll
     for (int w = 0; w < kEntryWarps; ++w) {
       const int n = ctl.warp_firsts[w];
@@ -231,8 +236,7 @@ __device__ __forceinline__ int collect_pages_by_map(const AttnArgs& a, SplitPage
   const int u0 = int(int64_t(split) * unique / a.splits), u1 = int(int64_t(split + 1) * unique / a.splits);
   if (first && before >= u0 && before < u1) {
     const int u = before - u0;
-    ctl.page_physical[u] = key.y < table.pages ? table.physical[key.y]
-                                               : a.kv.page_table[int64_t(key.x) * a.kv.max_pages + key.y];
+    ctl.page_physical[u] = physical_page(a, &table, key);
     ctl.page_logical[u] = key.y;
     ctl.page_tokens[u] = visible_keys(ctl.row_pos[31 - __clz(int(rows))], key.y);
     ctl.page_rows[u] = rows;
@@ -332,9 +336,7 @@ __device__ __forceinline__ int collect_pages(const AttnArgs& a, SplitPages& ctl,
     if (warp == 0) order_pages_in_rounds(a, ctl, nrows, u0, u1, table);
   } else if (first && before >= u0 && before < u1) {
     const int u = before - u0;
-    ctl.page_physical[u] = table && key.x == table->request && key.y < table->pages
-                               ? table->physical[key.y]
-                               : a.kv.page_table[int64_t(key.x) * a.kv.max_pages + key.y];
+    ctl.page_physical[u] = physical_page(a, table, key);
     ctl.page_logical[u] = key.y;
     ctl.page_tokens[u] = tokens;
     ctl.page_rows[u] = rows;
