@@ -497,9 +497,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   int seen = 0;        // pages of the split this row selected so far
   const uint8_t* ring = sm.ring;
   const uint32_t ring_addr = base + uint32_t(offsetof(Storage, ring));
-  // NVFP4's two page bodies together outgrow the SM's instruction cache: a CTA of a few pages,
-  // whose warps would fetch both cold, keeps to the masked one (run 29: 8 x 4k, Q = 1).
-  const bool whole_page_body = !Page::kFp4 || pages >= kRowWarps;
+  // The two page bodies together outgrow the SM's instruction cache, and a small step fetches
+  // its kernels' code cold: a CTA of a few pages keeps to the masked body (run 29: NVFP4; run 49:
+  // every format).
+  const bool whole_page_body = pages >= kRowWarps;
   for (int u = 0; u < pages; ++u) {
     const int s = u % Page::kStages;
     const bool mine = active && ((sm.pages.page_rows[u] >> row) & 1u);
@@ -600,19 +601,19 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (a.splits == 1) a.lse[rh] = state.lse();
       else a.part_lse[int64_t(split) * a.total_q * a.hq + rh] = state.lse();
     }
+    // fp32 rows (a split's partial, or an f32 output) or bf16 rows: two copies of the stores
+    // instead of one per destination (the epilogue is fetched cold by every CTA of a small step).
+    float* f32_row = a.splits > 1 ? a.part_out + (int64_t(split) * a.total_q * a.hq + rh) * kHeadDim
+                     : a.out_f32  ? static_cast<float*>(a.out) + rh * kHeadDim
+                                  : nullptr;
+    __nv_bfloat16* bf16_row = static_cast<__nv_bfloat16*>(a.out) + rh * kHeadDim;
     if constexpr (!kCodes) {
 #pragma unroll
       for (int t = 0; t < 16; ++t) {
         const int d = 8 * t + 2 * quad;
         const float x0 = st.o[t][2 * h] * inv, x1 = st.o[t][2 * h + 1] * inv;
-        if (a.splits > 1) {
-          *reinterpret_cast<float2*>(a.part_out + (int64_t(split) * a.total_q * a.hq + rh) * kHeadDim + d) =
-              make_float2(x0, x1);
-        } else if (a.out_f32) {
-          *reinterpret_cast<float2*>(static_cast<float*>(a.out) + rh * kHeadDim + d) = make_float2(x0, x1);
-        } else {
-          *reinterpret_cast<uint32_t*>(static_cast<__nv_bfloat16*>(a.out) + rh * kHeadDim + d) = pack_bf16(x0, x1);
-        }
+        if (f32_row) *reinterpret_cast<float2*>(f32_row + d) = make_float2(x0, x1);
+        else *reinterpret_cast<uint32_t*>(bf16_row + d) = pack_bf16(x0, x1);
       }
     } else {
 #pragma unroll
@@ -623,16 +624,12 @@ __global__ void __launch_bounds__(kThreads, 1)
           float x[8];
 #pragma unroll
           for (int i = 0; i < 8; ++i) x[i] = st.o[8 * hh + i][2 * h + col] * inv;
-          if (a.splits > 1) {
-            float4* dst = reinterpret_cast<float4*>(a.part_out + (int64_t(split) * a.total_q * a.hq + rh) * kHeadDim + d0);
-            dst[0] = make_float4(x[0], x[1], x[2], x[3]);
-            dst[1] = make_float4(x[4], x[5], x[6], x[7]);
-          } else if (a.out_f32) {
-            float4* dst = reinterpret_cast<float4*>(static_cast<float*>(a.out) + rh * kHeadDim + d0);
+          if (f32_row) {
+            float4* dst = reinterpret_cast<float4*>(f32_row + d0);
             dst[0] = make_float4(x[0], x[1], x[2], x[3]);
             dst[1] = make_float4(x[4], x[5], x[6], x[7]);
           } else {
-            *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(a.out) + rh * kHeadDim + d0) =
+            *reinterpret_cast<uint4*>(bf16_row + d0) =
                 make_uint4(pack_bf16(x[0], x[1]), pack_bf16(x[2], x[3]), pack_bf16(x[4], x[5]), pack_bf16(x[6], x[7]));
           }
         }

@@ -702,7 +702,7 @@ __device__ __forceinline__ bool ranks_before(float s, int id, float bs, int bid)
 // before it.
 __device__ __forceinline__ int place_among_lanes(float s, int id, int lane) {
   int place = 0;
-#pragma unroll
+#pragma unroll 8
   for (int o = 1; o < 32; ++o) {
     const float os = __shfl_sync(0xffffffffu, s, (lane + o) & 31);
     const int oid = __shfl_sync(0xffffffffu, id, (lane + o) & 31);
@@ -735,13 +735,18 @@ __device__ __forceinline__ int select_history_lists(const float* score, int64_t 
 #pragma unroll
   for (int k = 0; k < kList; ++k) ls[k] = -INFINITY, li[k] = INT_MAX;
   // The list is the same in any order of insertion ((score, id) is a total order).
+  // The batch's pages are inserted in a loop that is not unrolled (the batch shifts down a
+  // slot a turn, so that it stays in registers): this path is rare, and unrolled it was most of
+  // the selection kernel's code, which each step fetches (from memory when L2 is cold).
   for (int64_t b0 = begin + lane; b0 < end; b0 += 32 * kSelectBatch) {
     float batch[kSelectBatch];
     load_score_batch(score, b0, end, batch);
-#pragma unroll
+#pragma unroll 1
     for (int i = 0; i < kSelectBatch; ++i) {
-      float cs = batch[i];
+      float cs = batch[0];
       int ci = int(b0 + 32 * i);
+#pragma unroll
+      for (int j = 0; j + 1 < kSelectBatch; ++j) batch[j] = batch[j + 1];
       if (isnan(cs) || !ranks_before(cs, ci, ls[kList - 1], li[kList - 1])) continue;
 #pragma unroll
       for (int k = 0; k < kList; ++k)
