@@ -85,6 +85,21 @@ __device__ __forceinline__ uint2 keys_below(int c, int limit, int quad) {
                     (t0 + 8 < limit ? 0x0000ffffu : 0u) | (t0 + 9 < limit ? 0xffff0000u : 0u));
 }
 
+// Where a (row, head) `rh` of split `split` writes its 128 outputs: an fp32 row (a split's
+// partial, or an f32 output) or, when `f32` is null, a bf16 row. Both kernels' epilogues store
+// through these two variants only (the epilogue's code is fetched cold by every CTA of a small
+// step: a copy of the store loop per destination cost it, run 49).
+struct OutputRow {
+  float* f32;
+  __nv_bfloat16* bf16;
+};
+__device__ __forceinline__ OutputRow output_row(const AttnArgs& a, int64_t rh, int split) {
+  float* f32 = a.splits > 1 ? a.part_out + (int64_t(split) * a.total_q * a.hq + rh) * model::kHeadDim
+               : a.out_f32  ? static_cast<float*>(a.out) + rh * model::kHeadDim
+                            : nullptr;
+  return {f32, static_cast<__nv_bfloat16*>(a.out) + rh * model::kHeadDim};
+}
+
 // The distinct pages of a CTA's split. Entry e = (tile row e / 16, slot e % 16).
 struct SplitPages {
   int2 entry_key[kMaxEntries];         // (request, logical page); (-1, -1): selects nothing

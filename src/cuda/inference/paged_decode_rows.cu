@@ -601,19 +601,14 @@ __global__ void __launch_bounds__(kThreads, 1)
       if (a.splits == 1) a.lse[rh] = state.lse();
       else a.part_lse[int64_t(split) * a.total_q * a.hq + rh] = state.lse();
     }
-    // fp32 rows (a split's partial, or an f32 output) or bf16 rows: two copies of the stores
-    // instead of one per destination (the epilogue is fetched cold by every CTA of a small step).
-    float* f32_row = a.splits > 1 ? a.part_out + (int64_t(split) * a.total_q * a.hq + rh) * kHeadDim
-                     : a.out_f32  ? static_cast<float*>(a.out) + rh * kHeadDim
-                                  : nullptr;
-    __nv_bfloat16* bf16_row = static_cast<__nv_bfloat16*>(a.out) + rh * kHeadDim;
+    const OutputRow dst_row = output_row(a, rh, split);
     if constexpr (!kCodes) {
 #pragma unroll
       for (int t = 0; t < 16; ++t) {
         const int d = 8 * t + 2 * quad;
         const float x0 = st.o[t][2 * h] * inv, x1 = st.o[t][2 * h + 1] * inv;
-        if (f32_row) *reinterpret_cast<float2*>(f32_row + d) = make_float2(x0, x1);
-        else *reinterpret_cast<uint32_t*>(bf16_row + d) = pack_bf16(x0, x1);
+        if (dst_row.f32) *reinterpret_cast<float2*>(dst_row.f32 + d) = make_float2(x0, x1);
+        else *reinterpret_cast<uint32_t*>(dst_row.bf16 + d) = pack_bf16(x0, x1);
       }
     } else {
 #pragma unroll
@@ -624,12 +619,12 @@ __global__ void __launch_bounds__(kThreads, 1)
           float x[8];
 #pragma unroll
           for (int i = 0; i < 8; ++i) x[i] = st.o[8 * hh + i][2 * h + col] * inv;
-          if (f32_row) {
-            float4* dst = reinterpret_cast<float4*>(f32_row + d0);
+          if (dst_row.f32) {
+            float4* dst = reinterpret_cast<float4*>(dst_row.f32 + d0);
             dst[0] = make_float4(x[0], x[1], x[2], x[3]);
             dst[1] = make_float4(x[4], x[5], x[6], x[7]);
           } else {
-            *reinterpret_cast<uint4*>(bf16_row + d0) =
+            *reinterpret_cast<uint4*>(dst_row.bf16 + d0) =
                 make_uint4(pack_bf16(x[0], x[1]), pack_bf16(x[2], x[3]), pack_bf16(x[4], x[5]), pack_bf16(x[6], x[7]));
           }
         }

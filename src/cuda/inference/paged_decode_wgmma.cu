@@ -575,20 +575,15 @@ __device__ __forceinline__ void consume_pages(const AttnArgs& a, DecodeStorage<C
       if (a.splits == 1) a.lse[rh] = state.lse();
       else a.part_lse[int64_t(split) * a.total_q * a.hq + rh] = state.lse();
     }
-    // fp32 rows (a split's partial, or an f32 output) or bf16 rows: two copies of the stores
-    // instead of one per destination (the epilogue is fetched cold by every CTA of a small step).
-    float* f32_row = a.splits > 1 ? a.part_out + (int64_t(split) * a.total_q * a.hq + rh) * kHeadDim
-                     : a.out_f32  ? static_cast<float*>(a.out) + rh * kHeadDim
-                                  : nullptr;
-    __nv_bfloat16* bf16_row = static_cast<__nv_bfloat16*>(a.out) + rh * kHeadDim;
+    const OutputRow dst_row = output_row(a, rh, split);
 #pragma unroll
     for (int half = 0; half < 2; ++half)
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const int d = 64 * half + 8 * j + 2 * quad;
         const float x0 = st.o[half][j][2 * h] * inv, x1 = st.o[half][j][2 * h + 1] * inv;
-        if (f32_row) *reinterpret_cast<float2*>(f32_row + d) = make_float2(x0, x1);
-        else *reinterpret_cast<uint32_t*>(bf16_row + d) = pack_bf16(x0, x1);
+        if (dst_row.f32) *reinterpret_cast<float2*>(dst_row.f32 + d) = make_float2(x0, x1);
+        else *reinterpret_cast<uint32_t*>(dst_row.bf16 + d) = pack_bf16(x0, x1);
       }
   }
   if (a.splits > 1) merge_if_last(a, sm, r0, nrows, g, 32 * (4 * wg + w) + lane);
