@@ -533,6 +533,37 @@ TEST(GpuInference, DecodeAttentionMatchesCpuEveryFormat) {
     }
 }
 
+// The row-warp kernel's instance follows the plan's capacity (a plan for short contexts runs
+// the one with the masked page body only; src/cuda/inference/paged_decode_rows.cu), not its
+// arithmetic: a step of <= 8 pages a request gives the same bits through a plan made for it
+// and through a plan made for 4k contexts and updated to it (whose CTAs of 8 pages then take
+// the body compiled for whole pages).
+TEST(GpuInference, DecodeAttentionIsTheSameWhateverThePlansCapacity) {
+  MSA_REQUIRE_GPU();
+  MSA_SEEDED_RNG(rng);
+  for (const char* f : kFormats)
+    for (int Q : {1, 2}) {
+      SCOPED_TRACE(std::string("format ") + f + ", Q " + std::to_string(Q));
+      const PagedCase capacity = make_decode_case(rng, Topology::minimax_m3(2), {4000, 3000, 4096}, Q, format_options(f));
+      PagedCase step = capacity;
+      step.seq_lens = {1000, 1024, 700};
+      const HostTensor topk = cpu_indexer(step);
+      DeviceCase d(step);
+      const PagedOutputs own = gpu_attention(step, d, gpu_plan(step, 1), topk, DType::f32);
+      InferencePlan updated = gpu_plan(capacity, 1);
+      const HostTensor sl = int_tensor(step.seq_lens, {3}), pt = int_tensor(step.page_table, {3, step.max_pages});
+      DecodeMetadata m;
+      m.seq_lens = sl.view();
+      m.page_table = pt.view();
+      m.q_len_per_req = Q;
+      update_decode_plan(updated, m);
+      const PagedOutputs other = gpu_attention(step, d, updated, topk, DType::f32);
+      EXPECT_TRUE(bitwise_equal(own.out, other.out)) << "out differs";
+      EXPECT_TRUE(bitwise_equal(own.lse, other.lse)) << "lse differs";
+      expect_attention_matches_cpu(own, cpu_attention(step, topk, 1, DType::f32));
+    }
+}
+
 // FP8 and NVFP4 caches multiply f16 queries: each (row, head) is scaled by its own power of two
 // into f16's range and the logits undo it. Heads whose magnitudes span bf16's range (down to
 // 2^-120, where the scale is capped) and heads mixing values 2^40 apart must still match the

@@ -47,9 +47,14 @@ inline int automatic_kv_splits(const DecodeSplitWork& w) {
   return chosen;
 }
 
-// The work of a decode step: seq_lens of the requests (0 = padding, no keys), Q rows each.
 // A unit reads the union of its tile's selections: at most rows x min(16, visible) pages and
 // never more than the request's visible pages (rows of one request often agree, so fewer).
+inline int64_t decode_unit_pages(int64_t seq_len, int tile_rows) {
+  const int64_t visible = (seq_len + model::kPageSize - 1) / model::kPageSize;
+  return std::min(int64_t(tile_rows) * std::min<int64_t>(kDecodeSlots, visible), visible);
+}
+
+// The work of a decode step: seq_lens of the requests (0 = padding, no keys), Q rows each.
 inline DecodeSplitWork decode_split_work(const std::vector<int32_t>& seq_lens, int q_len, int kv_heads,
                                          int64_t concurrent_ctas) {
   DecodeSplitWork w;
@@ -60,8 +65,7 @@ inline DecodeSplitWork decode_split_work(const std::vector<int32_t>& seq_lens, i
   double pages = 0;
   for (const int32_t len : seq_lens) {
     if (len <= 0) continue;
-    const int64_t visible = (int64_t(len) + model::kPageSize - 1) / model::kPageSize;
-    pages += double(std::min(int64_t(rows) * std::min<int64_t>(kDecodeSlots, visible), visible));
+    pages += double(decode_unit_pages(len, rows));
     ++requests;
   }
   if (requests == 0) return w;

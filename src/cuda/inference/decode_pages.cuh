@@ -368,9 +368,10 @@ int wgmma_ctas_per_sm(int rows_per_tile);
 
 // The row-warp kernel (paged_decode_rows.cu): every format; the same grid; FP8 / NVFP4 page
 // maps swizzled (paged_cache_map(.., swizzled = true)). Splits > 1 leave partials for
-// merge_states.
-void launch_rows(KvFormat f, const AttnArgs& a, const CUtensorMap& k_map, const CUtensorMap& v_map, dim3 grid,
-                 cudaStream_t stream);
+// merge_states. `max_cta_pages`: the most distinct pages a CTA of the step can hold; it picks
+// the kernel's instance (its code), not the arithmetic.
+void launch_rows(KvFormat f, int64_t max_cta_pages, const AttnArgs& a, const CUtensorMap& k_map,
+                 const CUtensorMap& v_map, dim3 grid, cudaStream_t stream);
 int rows_ctas_per_sm();
 
 // The online-softmax step of a consumer warp's row over a page, in both kernels: the row's 16

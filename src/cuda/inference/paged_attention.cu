@@ -93,7 +93,9 @@ void paged_attention(const InferencePlan& plan, const PagedAttentionParams& p, c
     detail::require(splits == 1 || a.arrivals, "paged_attention: the decode plan has no split arrival counts (build it on the CUDA device)");
     return launch_wgmma(c.format, a, k_map, v_map, grid, stream);
   }
-  launch_rows(c.format, a, k_map, v_map, grid, stream);
+  // Split s of a unit takes pages s * U / S .. of the U its tile's rows selected.
+  const int64_t max_cta_pages = ceil_div(detail::decode_unit_pages(plan.max_seqlen_k, tile_rows), int64_t(splits));
+  launch_rows(c.format, max_cta_pages, a, k_map, v_map, grid, stream);
   if (splits > 1) {
     const MergeStatesParams merge = split_merge_params(plan, p);
     cuda::merge_states(merge, opt);

@@ -75,6 +75,14 @@ constexpr int kRingBytes = 192 * 1024;                // the page ring (NVFP4: 1
 constexpr int32_t kRoundsFromPosition = 32 * 1024;    // NVFP4 pages in rounds from this position on
 static_assert(kMaxTileRows <= kRowWarps, "a warp (at least) per tile row");
 
+// The page bodies of an instance: the masked one (keys past a row's causal limit at -inf), alone
+// or with a copy compiled for a wholly visible page, faster where a CTA holds many pages (run 29:
+// NVFP4 0.8x, FP8 0.9x at 128 x 128k). The two copies outgrow the SM's instruction cache, and a
+// small step fetches its kernels' code cold: a step whose CTAs hold at most kMaskedBodyMaxPages
+// runs the instance with the masked body only (run 49: 8 x 4k, Q8 NVFP4 -18 us, Q1 bf16 -4.5).
+enum class PageBodies : uint8_t { masked, masked_and_whole };
+constexpr int64_t kMaskedBodyMaxPages = kRowWarps;
+
 // A page of the format: side 0 = K, 1 = V. FP8: token t's 128 codes at 128 t, 16-byte chunk c at
 // c ^ (t % 8); NVFP4: token t's 64 bytes at 64 t, chunk c at c ^ ((t / 2) % 4); bf16: two column
 // halves of 128 x 128 bytes each, as tile_offset (device.cuh).
@@ -178,6 +186,7 @@ __device__ __forceinline__ void issue_pages(const AttnArgs& a, RowsStorage<F>& s
   using Page = RowsPage<F>;
   constexpr int S = Page::kStages, kBoxBytes = Page::kSideBytes / Page::kBoxes;
   const uint64_t policy = l2_evict_first();
+#pragma unroll 1  // asynchronous copies: unrolling would only lengthen the code
   for (int u = 0; u < pages; ++u) {
     const int s = u % S;
     if (!PerToken && !Page::kFp4 && lane > 0) break;
@@ -417,7 +426,7 @@ __device__ __forceinline__ void page_values(RowState& st, const Codes& codes, co
   }
 }
 
-template <KvFormat F, bool PerToken>
+template <KvFormat F, bool PerToken, PageBodies Bodies>
 __global__ void __launch_bounds__(kThreads, 1)
     paged_decode_rows_kernel(const AttnArgs a, const __grid_constant__ CUtensorMap k_map,
                              const __grid_constant__ CUtensorMap v_map) {
@@ -497,10 +506,9 @@ __global__ void __launch_bounds__(kThreads, 1)
   int seen = 0;        // pages of the split this row selected so far
   const uint8_t* ring = sm.ring;
   const uint32_t ring_addr = base + uint32_t(offsetof(Storage, ring));
-  // The two page bodies together outgrow the SM's instruction cache, and a small step fetches
-  // its kernels' code cold: a CTA of a few pages keeps to the masked body (run 29: NVFP4; run 49:
-  // every format).
-  const bool whole_page_body = pages >= kRowWarps;
+  // A CTA of a few pages keeps to the masked body even in the instance with both (run 29: NVFP4;
+  // run 49: every format): its warps would fetch both copies cold.
+  const bool whole_page_body = Bodies == PageBodies::masked_and_whole && pages >= kRowWarps;
   for (int u = 0; u < pages; ++u) {
     const int s = u % Page::kStages;
     const bool mine = active && ((sm.pages.page_rows[u] >> row) & 1u);
@@ -632,44 +640,56 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 }
 
-template <KvFormat F, bool PerToken>
+template <KvFormat F, bool PerToken, PageBodies Bodies>
 void configure() {
   static std::once_flag once;
   std::call_once(once, [] {
-    MSA_CUDA_CHECK(cudaFuncSetAttribute(paged_decode_rows_kernel<F, PerToken>,
+    MSA_CUDA_CHECK(cudaFuncSetAttribute(paged_decode_rows_kernel<F, PerToken, Bodies>,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, storage_bytes<F>()));
   });
 }
 
-template <KvFormat F, bool PerToken>
+template <KvFormat F, bool PerToken, PageBodies Bodies>
 void launch(const AttnArgs& a, const CUtensorMap& k_map, const CUtensorMap& v_map, dim3 grid, cudaStream_t stream) {
-  configure<F, PerToken>();
-  launch_programmatic("paged_decode_rows_kernel launch", paged_decode_rows_kernel<F, PerToken>, grid, dim3(kThreads),
+  configure<F, PerToken, Bodies>();
+  launch_programmatic("paged_decode_rows_kernel launch", paged_decode_rows_kernel<F, PerToken, Bodies>, grid, dim3(kThreads),
                       size_t(storage_bytes<F>()), stream, a, k_map, v_map);
 }
 
-template <KvFormat F, bool PerToken>
+template <KvFormat F, bool PerToken, PageBodies Bodies>
 int ctas_per_sm() {
-  configure<F, PerToken>();
+  configure<F, PerToken, Bodies>();
   int n = 0;
-  MSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, paged_decode_rows_kernel<F, PerToken>, kThreads,
+  MSA_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, paged_decode_rows_kernel<F, PerToken, Bodies>, kThreads,
                                                                storage_bytes<F>()));
   return n;
 }
 
+template <PageBodies Bodies>
+void launch_format(KvFormat f, const AttnArgs& a, const CUtensorMap& k_map, const CUtensorMap& v_map, dim3 grid,
+                   cudaStream_t stream) {
+  if (f == KvFormat::bf16) launch<KvFormat::bf16, false, Bodies>(a, k_map, v_map, grid, stream);
+  else if (f == KvFormat::nvfp4) launch<KvFormat::nvfp4, false, Bodies>(a, k_map, v_map, grid, stream);
+  else if (a.kv.k_token_scale) launch<KvFormat::fp8_e4m3, true, Bodies>(a, k_map, v_map, grid, stream);
+  else launch<KvFormat::fp8_e4m3, false, Bodies>(a, k_map, v_map, grid, stream);
+}
+
+template <PageBodies Bodies>
+int ctas_per_sm_any_format() {
+  return std::min({ctas_per_sm<KvFormat::bf16, false, Bodies>(), ctas_per_sm<KvFormat::fp8_e4m3, false, Bodies>(),
+                   ctas_per_sm<KvFormat::fp8_e4m3, true, Bodies>(), ctas_per_sm<KvFormat::nvfp4, false, Bodies>()});
+}
+
 }  // namespace
 
-void launch_rows(KvFormat f, const AttnArgs& a, const CUtensorMap& k_map, const CUtensorMap& v_map, dim3 grid,
-                 cudaStream_t stream) {
-  if (f == KvFormat::bf16) launch<KvFormat::bf16, false>(a, k_map, v_map, grid, stream);
-  else if (f == KvFormat::nvfp4) launch<KvFormat::nvfp4, false>(a, k_map, v_map, grid, stream);
-  else if (a.kv.k_token_scale) launch<KvFormat::fp8_e4m3, true>(a, k_map, v_map, grid, stream);
-  else launch<KvFormat::fp8_e4m3, false>(a, k_map, v_map, grid, stream);
+void launch_rows(KvFormat f, int64_t max_cta_pages, const AttnArgs& a, const CUtensorMap& k_map,
+                 const CUtensorMap& v_map, dim3 grid, cudaStream_t stream) {
+  if (max_cta_pages <= kMaskedBodyMaxPages) launch_format<PageBodies::masked>(f, a, k_map, v_map, grid, stream);
+  else launch_format<PageBodies::masked_and_whole>(f, a, k_map, v_map, grid, stream);
 }
 
 int rows_ctas_per_sm() {
-  return std::min({ctas_per_sm<KvFormat::bf16, false>(), ctas_per_sm<KvFormat::fp8_e4m3, false>(),
-                   ctas_per_sm<KvFormat::fp8_e4m3, true>(), ctas_per_sm<KvFormat::nvfp4, false>()});
+  return std::min(ctas_per_sm_any_format<PageBodies::masked>(), ctas_per_sm_any_format<PageBodies::masked_and_whole>());
 }
 
 }  // namespace msa::cuda::decode

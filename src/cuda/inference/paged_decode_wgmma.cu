@@ -161,6 +161,7 @@ __device__ __forceinline__ void issue_sides(DecodeStorage<Consumers, F>& sm, uin
   using Storage = DecodeStorage<Consumers, F>;
   constexpr int S = Shape::kQuantised ? Shape::kRawSlots : Shape::kSlots;
   const uint64_t policy = l2_evict_first();
+#pragma unroll 1  // one thread's asynchronous copies: unrolling would only lengthen the code
   for (int i = 0; i < items; ++i) {
     const int j = j0 + i, slot = j % S;  // j: the ring's item count over the passes
     const int32_t phys = sm.pages.page_physical[i / 2];
@@ -327,14 +328,14 @@ __device__ __forceinline__ void pv_masked(RowState& st, const uint32_t (&p)[8][4
 #pragma unroll
   for (int c = 0; c < kPageSize / 16; ++c) {
     if (c * 16 >= limit) break;
+    // One mask a k16 step (all ones below the limit's step), ANDed into every B fragment: a
+    // rarely taken path, kept short (its code sits inside the page loop).
+    const uint2 keep = keys_below(c, limit, quad);
 #pragma unroll
     for (int jj = 0; jj < kHeadDim / 16; ++jj) {
       uint32_t b[4];
       load_b_kn(b, v, kPageSize, c * 16, jj * 16, lane);
-      if (c * 16 + 16 > limit) {
-        const uint2 keep = keys_below(c, limit, quad);
-        b[0] &= keep.x, b[1] &= keep.y, b[2] &= keep.x, b[3] &= keep.y;
-      }
+      b[0] &= keep.x, b[1] &= keep.y, b[2] &= keep.x, b[3] &= keep.y;
       const int n0 = 2 * jj, n1 = 2 * jj + 1;  // dim tiles of 8
       mma_16816<kF16>(st.o[n0 / 8][n0 % 8], p[c], b[0], b[1]);
       mma_16816<kF16>(st.o[n1 / 8][n1 % 8], p[c], b[2], b[3]);
@@ -358,7 +359,8 @@ __device__ __forceinline__ void softmax_step(RowState& st, float (&s)[16][4], ui
 // usual last-block pattern: every partial is visible to it. The partials come into the drained
 // ring by cp.async, every split's share of a pass of (row, head) pairs in flight at once (one
 // round trip a pass, not one per split: the merge ends the step, so its latency is the step's);
-// the arithmetic is merge_row's (merge_row.cuh), spread over the consumer threads.
+// the arithmetic is merge_row's (merge_row.cuh), spread over the consumer threads. Its loops are
+// not unrolled: the last CTA fetches this code cold, at the end of the step.
 template <int Consumers, KvFormat F>
 __device__ __forceinline__ void merge_if_last(const AttnArgs& a, DecodeStorage<Consumers, F>& sm, int64_t r0, int nrows,
                                               int g, int ct) {
@@ -390,6 +392,7 @@ __device__ __forceinline__ void merge_if_last(const AttnArgs& a, DecodeStorage<C
   auto pair_rh = [&](int pair) { return (r0 + pair / kGroupSize) * a.hq + g * kGroupSize + pair % kGroupSize; };
   // Pairs p0 .. p0 + n of every split into `part` (16-byte pieces; a pair's 128 dims are 32).
   auto fetch = [&](int p0, int n) {
+#pragma unroll 1
     for (int i = ct; i < S * n * kChunks; i += kThreads) {
       const int s = i / (n * kChunks), rest = i % (n * kChunks), pp = rest / kChunks, c = rest % kChunks;
       cp_async16(smem_addr(part + (s * n + pp) * kHeadDim + 4 * c),
@@ -397,6 +400,7 @@ __device__ __forceinline__ void merge_if_last(const AttnArgs& a, DecodeStorage<C
     }
   };
   // A row's 16 heads of LSE are 64 contiguous bytes a split.
+#pragma unroll 1
   for (int i = ct; i < S * nrows * 4; i += kThreads) {
     const int s = i / (nrows * 4), row = (i / 4) % nrows, c = i % 4;
     cp_async16(smem_addr(lse + s * kPairs + row * kGroupSize + 4 * c), a.part_lse + s * RH + pair_rh(row * kGroupSize) + 4 * c,
@@ -406,9 +410,12 @@ __device__ __forceinline__ void merge_if_last(const AttnArgs& a, DecodeStorage<C
   cp_async_commit();
   cp_async_wait<0>();
   sync_barrier(DecodeBarrier::kConsumers, kThreads);
+#pragma unroll 1
   for (int pair = ct; pair < pairs; pair += kThreads) {
     SoftmaxState row = SoftmaxState::empty();
+#pragma unroll 1
     for (int s = 0; s < S; ++s) row.m = state_math::max(row.m, SoftmaxState::from_lse(lse[s * kPairs + pair]).m);
+#pragma unroll 1
     for (int s = 0; s < S; ++s) {
       const SoftmaxState part_state = SoftmaxState::from_lse(lse[s * kPairs + pair]);
       const float w = row.add_at_max(part_state);
@@ -420,6 +427,7 @@ __device__ __forceinline__ void merge_if_last(const AttnArgs& a, DecodeStorage<C
     a.lse[pair_rh(pair)] = row.lse();
   }
   sync_barrier(DecodeBarrier::kConsumers, kThreads);
+#pragma unroll 1
   for (int p0 = 0; p0 < pairs; p0 += pass_pairs) {
     const int n = min(pass_pairs, pairs - p0);
     if (p0 > 0) {
@@ -428,9 +436,11 @@ __device__ __forceinline__ void merge_if_last(const AttnArgs& a, DecodeStorage<C
       cp_async_wait<0>();
       sync_barrier(DecodeBarrier::kConsumers, kThreads);
     }
+#pragma unroll 1
     for (int it = ct; it < n * kChunks; it += kThreads) {
       const int pp = it / kChunks, pair = p0 + pp, d = 4 * (it % kChunks);
       float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 1
       for (int s = 0; s < S; ++s) {
         const float w = weight[pair * kMaxSplits + s];
         if (isnan(w)) continue;  // an empty partial: its values are not read

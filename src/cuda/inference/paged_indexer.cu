@@ -348,8 +348,12 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
 
   if (producer) {
     const uint64_t policy = l2_evict_first();
+    // Loops not unrolled, here and over a page's halves below: a small step fetches this
+    // kernel's code cold (docs/performance.md run 49), and a CTA issues a few pages.
+#pragma unroll 1
     for (int n0 = 0; n0 < count; n0 += 32) {
       if (n0 > 0) phys_batch = n0 + lane < count ? table[page_begin + n0 + lane] : 0;
+#pragma unroll 1
       for (int n = n0; n < min(n0 + 32, count); ++n) {
         const int32_t phys = __shfl_sync(0xffffffffu, phys_batch, n - n0);
         if (lane == 0) {
@@ -378,7 +382,7 @@ __global__ void __launch_bounds__(kStreamThreads, 1)
       best[mt][0] = best[mt][1] = -INFINITY;
       nan[mt][0] = nan[mt][1] = false;
       if (mt * 16 >= nv) continue;
-#pragma unroll
+#pragma unroll 1
       for (int half = 0; half < 2; ++half) {  // 64 tokens at a time: 32 accumulators
         float acc[8][4];
 #pragma unroll
