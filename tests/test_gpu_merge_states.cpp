@@ -45,6 +45,10 @@ TEST(GpuMergeStates, MatchesCpu) {
   check_merge(rng, 4, 300, 64, 128, DType::bf16, DType::f32);
   check_merge(rng, 7, 33, 5, 200, DType::f32, DType::f32);
   check_merge(rng, 2, 17, 2, 64, DType::f32, DType::bf16);
+  // fp32 partials of 128 dims with 2, 4 or 8 splits (decode's): the kernel that loads a row at once.
+  check_merge(rng, 2, 41, 16, 128, DType::f32, DType::f32);
+  check_merge(rng, 4, 300, 64, 128, DType::f32, DType::bf16);
+  check_merge(rng, 8, 29, 16, 128, DType::f32, DType::f32);
 }
 
 }  // namespace
